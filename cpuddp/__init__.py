@@ -1,0 +1,64 @@
+"""cpuddp: distributed data-parallel PyTorch training on CPU clusters.
+
+    import cpuddp
+    env = cpuddp.init_distributed()           # mpirun, torchrun, srun, Kubeflow or plain python
+    model = cpuddp.prepare(model, optimizer)  # bf16/fused/IPEX optimizations + DDP
+
+``import cpuddp`` is light: it imports neither torch nor any optional package (IPEX, the
+oneCCL bindings, mpi4py, transformers, py-cpuinfo).  Each public name is loaded from its
+module on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    # env / launchers
+    "DistEnv": "env",
+    "detect": "env",
+    # distributed
+    "init_distributed": "distributed",
+    "shutdown": "distributed",
+    "get_env": "distributed",
+    "session": "distributed",
+    # errors
+    "CpuddpError": "errors",
+    "LauncherEnvError": "errors",
+    "BackendError": "errors",
+    "RendezvousError": "errors",
+    "PrepareError": "errors",
+    "RankFailedError": "errors",
+}
+
+__all__ = sorted(["__version__", *_EXPORTS])
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'cpuddp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"cpuddp.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .distributed import get_env, init_distributed, session, shutdown
+    from .env import DistEnv, detect
+    from .errors import (
+        BackendError,
+        CpuddpError,
+        LauncherEnvError,
+        PrepareError,
+        RankFailedError,
+        RendezvousError,
+    )

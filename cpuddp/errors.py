@@ -1,0 +1,125 @@
+"""The exceptions cpuddp raises.
+
+Every error speaks in one voice: what was found (the variable, its value and the launcher
+that set it), why it is wrong, and -- on the last line of the message -- what to do.  They
+carry structured fields and pickle cleanly, because they cross process boundaries (a rank's
+error is reported by the parent in :mod:`cpuddp.testing`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = [
+    "CpuddpError",
+    "LauncherEnvError",
+    "BackendError",
+    "RendezvousError",
+    "PrepareError",
+    "RankFailedError",
+]
+
+
+class CpuddpError(Exception):
+    """Base class of every cpuddp error."""
+
+    def __init__(self, msg: str, *, fix: Optional[str] = None) -> None:
+        self.msg = msg
+        self.fix = fix
+        super().__init__(self._render())
+
+    def _render(self) -> str:
+        if self.fix:
+            return f"{self.msg}\nFix: {self.fix}"
+        return self.msg
+
+    def _fields(self) -> dict[str, Any]:
+        return {"fix": self.fix}
+
+    def __reduce__(self):  # keep structured fields across pickling
+        return (_rebuild, (type(self), self.msg, self._fields()))
+
+
+def _rebuild(cls: type, msg: str, fields: dict[str, Any]) -> CpuddpError:
+    return cls(msg, **fields)
+
+
+class LauncherEnvError(CpuddpError, ValueError):
+    """The launcher's environment is half-set, inconsistent or malformed.
+
+    ``variable``/``value`` name the offending environment variable and what it held,
+    ``launcher`` the launcher family that set it.
+    """
+
+    def __init__(
+        self,
+        msg: str,
+        *,
+        variable: Optional[str] = None,
+        value: Optional[str] = None,
+        launcher: Optional[str] = None,
+        fix: Optional[str] = None,
+    ) -> None:
+        self.variable = variable
+        self.value = value
+        self.launcher = launcher
+        super().__init__(msg, fix=fix)
+
+    def _render(self) -> str:
+        # The last line always names the variable, its value, the launcher and the fix,
+        # because that is the line a launcher's log shows when it cuts the output short.
+        if self.variable is None:
+            return super()._render()
+        value = "unset" if self.value is None else repr(self.value)
+        src = f" (from {self.launcher})" if self.launcher else ""
+        last = f"{self.variable}={value}{src}"
+        if self.fix:
+            last += f" -- fix: {self.fix}"
+        return f"{self.msg}\n{last}"
+
+    def _fields(self) -> dict[str, Any]:
+        return {"variable": self.variable, "value": self.value, "launcher": self.launcher, "fix": self.fix}
+
+
+class BackendError(CpuddpError, RuntimeError):
+    """The requested collective backend cannot run here (missing, mismatched, unknown)."""
+
+
+class RendezvousError(CpuddpError, RuntimeError):
+    """Forming the process group failed: port in use, peer missing, address unreachable."""
+
+
+class PrepareError(CpuddpError, RuntimeError):
+    """``prepare()`` was asked for something it cannot do (e.g. bf16 on a CPU without it)."""
+
+
+class RankFailedError(CpuddpError, RuntimeError):
+    """A rank of a multi-process run raised, died or did not finish in time.
+
+    ``rank`` is the failing rank (or None when several hung), ``traceback`` its formatted
+    traceback as text.
+    """
+
+    def __init__(
+        self,
+        msg: str,
+        *,
+        rank: Optional[int] = None,
+        traceback: Optional[str] = None,
+        fix: Optional[str] = None,
+    ) -> None:
+        self.rank = rank
+        self.traceback = traceback
+        super().__init__(msg, fix=fix)
+
+    def _render(self) -> str:
+        parts = [self.msg]
+        if self.traceback:
+            parts.append(self.traceback.rstrip())
+        text = "\n".join(parts)
+        if self.fix:
+            text += f"\nFix: {self.fix}"
+        return text
+
+    def _fields(self) -> dict[str, Any]:
+        return {"rank": self.rank, "traceback": self.traceback, "fix": self.fix}
