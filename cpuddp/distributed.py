@@ -57,7 +57,6 @@ SHUTDOWN_TIMEOUT = 10.0
 _lock = threading.RLock()
 _state: Optional[DistEnv] = None
 _store: Any = None  # keep our TCPStore (and its listening socket) alive with the group
-_listen_sock: Optional[socket.socket] = None
 _pin_state: Any = None
 _atexit_registered = False
 
@@ -147,7 +146,7 @@ def shutdown(timeout: float = SHUTDOWN_TIMEOUT) -> None:
     Never hangs: if torch's teardown does not return in time it is abandoned with a warning.
     Safe to call when nothing was initialized.
     """
-    global _state, _store, _listen_sock, _pin_state
+    global _state, _store, _pin_state
     with _lock:
         import torch.distributed as dist
 
@@ -173,10 +172,6 @@ def shutdown(timeout: float = SHUTDOWN_TIMEOUT) -> None:
                 affinity.restore(_pin_state)
             _pin_state = None
         _store = None
-        if _listen_sock is not None:
-            with contextlib.suppress(OSError):
-                _listen_sock.close()
-            _listen_sock = None
         _state = None
 
 
@@ -308,7 +303,7 @@ def _job_key(env: DistEnv) -> str:
 def _rendezvous(env: DistEnv, backend: str, td: datetime.timedelta, environ: Mapping[str, str]) -> None:
     import torch.distributed as dist
 
-    global _store, _listen_sock
+    global _store
     if env.world_size == 1:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
         return
@@ -346,8 +341,13 @@ def _rendezvous(env: DistEnv, backend: str, td: datetime.timedelta, environ: Map
                     f"`ss -ltnp 'sport = :{port}'` shows the holder",
                 ) from None
             raise RendezvousError(f"rank 0 cannot listen on {bind_host or '*'}:{port}: {exc}", fix="check MASTER_PORT") from None
-        _listen_sock = sock
-        store = _tcp_store(addr, port, env.world_size, True, td, sock.fileno())
+        # The store takes ownership of the listening socket (and closes it when destroyed).
+        fd = sock.detach()
+        try:
+            store = _tcp_store(addr, port, env.world_size, True, td, fd)
+        except Exception:
+            os.close(fd)
+            raise
         store.set("cpuddp/job", key)
     else:
         store = _connect(env, td)

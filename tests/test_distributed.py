@@ -1,0 +1,94 @@
+"""init_distributed(): world of 1, idempotence, timeouts, exports, errors, and real 2-rank groups."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cpuddp
+from cpuddp.distributed import _timeout
+from cpuddp.errors import RendezvousError
+
+
+def test_world_of_one_without_launcher_just_works():
+    environ: dict[str, str] = {}
+    env = cpuddp.init_distributed(environ=environ, pin=False)
+    try:
+        assert (env.rank, env.world_size, env.launcher, env.backend) == (0, 1, "none", "gloo")
+        assert dist.is_initialized() and dist.get_world_size() == 1
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        assert t.tolist() == [1.0, 1.0, 1.0]
+        assert environ["RANK"] == "0" and environ["WORLD_SIZE"] == "1" and environ["MASTER_ADDR"] == "127.0.0.1"
+        assert cpuddp.init_distributed(environ=environ, pin=False) is env  # safe to call twice
+        assert cpuddp.get_env() is env
+    finally:
+        cpuddp.shutdown()
+    assert not dist.is_initialized() and cpuddp.get_env() is None
+    cpuddp.shutdown()  # and safe when nothing is initialized
+
+
+def test_session_context_manager_tears_down():
+    with cpuddp.session(environ={}, pin=False) as env:
+        assert dist.is_initialized() and env.world_size == 1
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    "value, seconds",
+    [(None, 300.0), (12, 12.0), (1.5, 1.5), (datetime.timedelta(minutes=2), 120.0)],
+)
+def test_timeout_accepts_seconds_or_timedelta(value, seconds):
+    assert _timeout(value, {}).total_seconds() == seconds
+
+
+def test_timeout_from_environment_and_bad_values():
+    assert _timeout(None, {"CPUDDP_TIMEOUT": "42"}).total_seconds() == 42
+    with pytest.raises(ValueError, match="CPUDDP_TIMEOUT"):
+        _timeout(None, {"CPUDDP_TIMEOUT": "soon"})
+    with pytest.raises(ValueError, match="positive"):
+        _timeout(-1, {})
+
+
+def test_user_value_that_must_change_is_logged(caplog):
+    environ = {"LOCAL_WORLD_SIZE": "7"}
+    with caplog.at_level("WARNING", logger="cpuddp"):
+        cpuddp.init_distributed(environ=environ, pin=False)
+        cpuddp.shutdown()
+    assert environ["LOCAL_WORLD_SIZE"] == "1"
+    assert any("LOCAL_WORLD_SIZE was '7'" in r.getMessage() for r in caplog.records)
+
+
+def test_port_in_use_on_rank0_fails_at_once():
+    holder = socket.create_server(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
+    environ = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    start = time.monotonic()
+    try:
+        with pytest.raises(RendezvousError) as info:
+            cpuddp.init_distributed(environ=environ, pin=False, timeout=30)
+    finally:
+        holder.close()
+    assert time.monotonic() - start < 5
+    assert f"MASTER_PORT={port}" in str(info.value) and "in use" in str(info.value)
+    assert not dist.is_initialized()
+
+
+def _allreduce_rank() -> dict:
+    env = cpuddp.get_env()
+    t = torch.full((4,), float(env.rank + 1))
+    dist.all_reduce(t)
+    return {"rank": env.rank, "sum": t[0].item(), "backend": env.backend, "launcher": env.launcher}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_real_gloo_group(run_distributed, world_size):
+    out = run_distributed(_allreduce_rank, world_size=world_size, timeout=90)
+    total = world_size * (world_size + 1) / 2
+    assert out == [{"rank": r, "sum": total, "backend": "gloo", "launcher": "env"} for r in range(world_size)]
