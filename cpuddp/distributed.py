@@ -105,7 +105,7 @@ def init_distributed(
         if env.master_addr == "":
             env = env.replace(master_addr=_mpi_master_addr(env))
 
-        backends = _backends_module()
+        from . import backends
 
         choice = backends.resolve_backend(backend, env)
         if env.is_main:
@@ -186,23 +186,6 @@ def session(backend: str = "auto", **kwargs: Any) -> Iterator[DistEnv]:
 
 
 # --------------------------------------------------------------------------- internals
-
-
-def _backends_module() -> Any:  # TEMPORARY until cpuddp/backends.py lands
-    try:
-        from . import backends
-
-        return backends
-    except ImportError:
-        import types
-
-        class _C:
-            name = "gloo"
-            reason = "gloo only (backends module not yet present)"
-
-        return types.SimpleNamespace(
-            resolve_backend=lambda b, e: _C(), backend_env=lambda *a: {}, load_backend=lambda c: None
-        )
 
 
 def _configure_logging(environ: Mapping[str, str]) -> None:
