@@ -26,6 +26,14 @@ _EXPORTS = {
     "shutdown": "distributed",
     "get_env": "distributed",
     "session": "distributed",
+    # pinning and topology
+    "PinPlan": "affinity",
+    "plan_for": "affinity",
+    "current_plan": "affinity",
+    "pinned": "affinity",
+    "Topology": "topology",
+    "read_topology": "topology",
+    "cpu_features": "topology",
     # errors
     "CpuddpError": "errors",
     "LauncherEnvError": "errors",
@@ -53,7 +61,9 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from .distributed import get_env, init_distributed, session, shutdown
+    from .affinity import PinPlan, current_plan, pinned, plan_for
     from .env import DistEnv, detect
+    from .topology import Topology, cpu_features, read_topology
     from .errors import (
         BackendError,
         CpuddpError,

@@ -41,7 +41,8 @@ def launcher_path(kind: str) -> str:
 def command(kind: str, n: int, argv: list[str]) -> tuple[list[str], dict[str, str]]:
     """The command line and extra environment that start ``argv`` on ``n`` ranks with ``kind``."""
     if kind == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n), *argv], {}
+        # --standalone: a free port per run, so concurrent runs never collide on 29500.
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), *argv], {}
     exe = launcher_path(kind)
     if kind == "openmpi":
         return [exe, "-n", str(n), "--oversubscribe", sys.executable, *argv], dict(OMPI_ROOT_ENV)
