@@ -26,6 +26,14 @@ _EXPORTS = {
     "shutdown": "distributed",
     "get_env": "distributed",
     "session": "distributed",
+    # backends
+    "available_backends": "backends",
+    "backend_status": "backends",
+    "resolve_backend": "backends",
+    "register_backend": "backends",
+    "unregister_backend": "backends",
+    "BackendStatus": "backends",
+    "BackendChoice": "backends",
     # pinning and topology
     "PinPlan": "affinity",
     "plan_for": "affinity",
@@ -61,6 +69,15 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover
     from .distributed import get_env, init_distributed, session, shutdown
+    from .backends import (
+        BackendChoice,
+        BackendStatus,
+        available_backends,
+        backend_status,
+        register_backend,
+        resolve_backend,
+        unregister_backend,
+    )
     from .affinity import PinPlan, current_plan, pinned, plan_for
     from .env import DistEnv, detect
     from .topology import Topology, cpu_features, read_topology

@@ -234,7 +234,7 @@ def _as_finder(find_module: Union[None, Collection[str], ModuleFinder]) -> Modul
         return _default_find_module
     if callable(find_module):
         return find_module  # type: ignore[return-value]
-    names = set(find_module)
+    names = {find_module} if isinstance(find_module, str) else set(find_module)
     return lambda name: name.split(".", 1)[0] in names
 
 
@@ -722,30 +722,24 @@ def ccl_env(env: "DistEnv", plan: Any, environ: Mapping[str, str]) -> dict[str, 
 
 
 def _worker_affinity(env: "DistEnv", plan: Any, count: int) -> Optional[str]:
-    """``CCL_WORKER_AFFINITY`` from the plan's CPUs for this rank's workers.
+    """``CCL_WORKER_AFFINITY`` from the plan's CPUs for this rank's oneCCL workers.
 
-    oneCCL reads one list for *all* local ranks and pins worker ``i`` of local rank ``r``
-    to entry ``r * count + i``, and rejects a list of any other length.  A plan that gives
-    this rank's CPUs only is placed in this rank's slots; the other slots repeat them (each
-    process reads only its own slots, from its own environment).
+    oneCCL reads one list for *all* local ranks, pins worker ``i`` of local rank ``r`` to
+    entry ``r * count + i``, and rejects a list of any other length.  Each process reads only
+    its own slots, from its own environment, so this rank's CPUs fill every slot.
     """
     cpus = tuple(getattr(plan, "ccl_worker_cpus", None) or ()) if plan is not None else ()
     if not cpus:
         return None
-    size = max(env.local_world_size, 1)
-    if len(cpus) == count * size and size > 1:
-        slots = list(cpus)
-    elif len(cpus) == count:
-        slots = list(cpus) * size
-    else:
+    if len(cpus) != count:
         if env.local_rank == 0:
             log.warning(
-                "cpuddp: the pinning plan gives %d CPU(s) for oneCCL workers, but CCL_WORKER_COUNT is %d "
-                "(x %d local ranks); leaving CCL_WORKER_AFFINITY unset",
-                len(cpus), count, size,
+                "cpuddp: the pinning plan reserves %d CPU(s) for oneCCL workers, but CCL_WORKER_COUNT is %d; "
+                "leaving CCL_WORKER_AFFINITY unset",
+                len(cpus), count,
             )
         return None
-    return ",".join(str(int(c)) for c in slots)
+    return ",".join(str(int(c)) for c in cpus * max(env.local_world_size, 1))
 
 
 def _is_loopback_host(addr: str) -> bool:

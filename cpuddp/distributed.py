@@ -107,7 +107,7 @@ def init_distributed(
 
         from . import backends
 
-        choice = backends.resolve_backend(backend, env)
+        choice = backends.resolve_backend(backend, env, environ=environ)
         if env.is_main:
             log.info("cpuddp: backend %s (%s)", choice.name, choice.reason)
 
@@ -303,7 +303,7 @@ def _rendezvous(env: DistEnv, backend: str, td: datetime.timedelta, environ: Map
     name = LAUNCHER_NAMES.get(env.launcher, env.launcher)
     addr, port = env.master_addr, env.master_port
     try:
-        socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+        resolved = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise RendezvousError(
             f"MASTER_ADDR={addr!r} does not resolve ({exc.strerror})",
@@ -312,7 +312,9 @@ def _rendezvous(env: DistEnv, backend: str, td: datetime.timedelta, environ: Map
 
     key = _job_key(env)
     if env.rank == 0:
-        bind_host = "127.0.0.1" if env.single_node else ""
+        # One node: listen only on the address the ranks dial (loopback unless the user chose
+        # otherwise), so nothing is reachable from outside.  Several nodes: every interface.
+        bind_host = str(resolved[0][4][0]) if env.single_node else ""
         try:
             sock = socket.create_server((bind_host, port), backlog=max(128, env.world_size))
         except OSError as exc:
@@ -329,7 +331,8 @@ def _rendezvous(env: DistEnv, backend: str, td: datetime.timedelta, environ: Map
         try:
             store = _tcp_store(addr, port, env.world_size, True, td, fd)
         except Exception:
-            os.close(fd)
+            with contextlib.suppress(OSError):  # the store may have closed it already
+                os.close(fd)
             raise
         store.set("cpuddp/job", key)
     else:
