@@ -1,0 +1,207 @@
+"""Pure parts of ``cpuddp bench``: sizes, bandwidth factors, table, summary, exit codes, spawner env.
+
+The multi-process runs (``--nproc 2``) are in tests/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+
+import pytest
+
+from cpuddp import bench
+from cpuddp.bench import (
+    EXIT_BELOW_MIN,
+    EXIT_OK,
+    EXIT_WRONG,
+    bus_factor,
+    child_env,
+    exit_code,
+    format_row,
+    format_rows,
+    make_row,
+    parse_size,
+    rows_to_csv,
+    shape_size,
+    summarize,
+    sweep_sizes,
+)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("8", 8),
+        ("1K", 1024),
+        ("1k", 1024),
+        ("1KiB", 1024),
+        ("64M", 64 << 20),
+        ("64MB", 64 << 20),
+        ("1G", 1 << 30),
+        ("0.5K", 512),
+        (" 16 M ", 16 << 20),
+        ("4B", 4),
+    ],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "K", "0", "-1K", "1T", "abc", "0.3", "1.5B"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="size"):
+        parse_size(text)
+
+
+def test_sweep_sizes() -> None:
+    assert sweep_sizes(1024, 64 << 20, 4) == [1 << 10, 1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22,
+                                              1 << 24, 1 << 26]
+    assert sweep_sizes(8, 8, 2) == [8]
+    assert sweep_sizes(8, 100, 2) == [8, 16, 32, 64]  # stops below --max when it is not reached exactly
+    with pytest.raises(ValueError, match="--factor"):
+        sweep_sizes(8, 16, 1)
+    with pytest.raises(ValueError, match="--min"):
+        sweep_sizes(16, 8, 2)
+
+
+@pytest.mark.parametrize(
+    "collective, n, factor",
+    [
+        ("allreduce", 2, 1.0),
+        ("allreduce", 4, 1.5),
+        ("allreduce", 8, 1.75),
+        ("all_gather", 4, 0.75),
+        ("reduce_scatter", 2, 0.5),
+        ("broadcast", 8, 1.0),
+        ("allreduce", 1, 1.0),
+    ],
+)
+def test_bus_factor_matches_nccl_tests(collective: str, n: int, factor: float) -> None:
+    assert bus_factor(collective, n) == pytest.approx(factor)
+
+
+def test_bus_factor_unknown() -> None:
+    with pytest.raises(ValueError, match="allreduce"):
+        bus_factor("alltoall", 2)
+
+
+def test_shape_size_rounds_to_whole_chunks() -> None:
+    assert shape_size(1024, "allreduce", 3, 4) == (1024, 256)
+    assert shape_size(1000, "all_gather", 3, 4) == (996, 249)  # 83 float32 per rank
+    assert shape_size(4, "reduce_scatter", 4, 4) == (16, 4)  # at least one element per rank
+    assert shape_size(1, "allreduce", 2, 8) == (8, 1)
+
+
+def test_make_row_bandwidths() -> None:
+    row = make_row("allreduce", 2, 16 << 20, 4 << 20, "float32", 0.016, wrong=0, inplace=True)
+    assert row.algbw == pytest.approx((16 << 20) / 1e9 / 0.016)
+    assert row.busbw == pytest.approx(row.algbw)  # 2(n-1)/n = 1 for n = 2
+    assert row.time_us == pytest.approx(16000)
+    assert (row.redop, row.root) == ("sum", -1)
+    b = make_row("broadcast", 4, 1024, 256, "float32", 1e-3, wrong=0, inplace=True)
+    assert (b.redop, b.root) == ("none", 0)
+
+
+def test_table_lines_align_and_comment_header() -> None:
+    rows = [make_row("allreduce", 2, s, s // 4, "float32", 1e-4 * (i + 1), 0, True)
+            for i, s in enumerate((1024, 1 << 26))]
+    lines = format_rows(rows)
+    assert all(line.startswith("#") for line in lines[:2])
+    assert len({len(line) for line in lines[2:]}) == 1
+    # Each column's right edge lines up with the header's.
+    head, data = lines[0], lines[2]
+    for word in ("size", "count", "type", "time", "algbw", "busbw", "#wrong"):
+        end = head.index(word) + len(word)
+        assert data[end - 1] != " ", (word, head, data)
+    assert format_row(make_row("allreduce", 2, 8, 2, "float32", 1e-3, -1, True)).endswith("N/A")
+
+
+def test_summary_and_exit_codes() -> None:
+    rows = [make_row("allreduce", 2, 1 << 20, 1 << 18, "float32", t, 0, True) for t in (1e-3, 2e-3)]
+    s = summarize(rows, min_busbw=None, ceiling_gbps=10.0)
+    assert s["exit_code"] == EXIT_OK
+    assert s["avg_busbw"] == pytest.approx(((1 << 20) / 1e6 + (1 << 20) / 2e6) / 2)
+    assert s["peak_fraction_of_ceiling"] == pytest.approx(s["peak_busbw"] / 10.0)
+    assert summarize(rows, min_busbw=1e9)["exit_code"] == EXIT_BELOW_MIN
+    assert summarize(rows, min_busbw=0.0)["exit_code"] == EXIT_OK
+    rows[0].wrong = 3
+    assert summarize(rows, min_busbw=1e9)["exit_code"] == EXIT_WRONG  # wrong results win
+    assert exit_code(0, 1.0, None) == EXIT_OK
+    text = "\n".join(bench.format_summary(summarize(rows, min_busbw=1e9)))
+    assert "FAILED" in text and all(line.startswith("#") for line in text.splitlines())
+
+
+def test_csv_round_trip() -> None:
+    rows = [make_row("all_gather", 2, 1024, 256, "bfloat16", 1e-4, 0, False)]
+    parsed = list(csv.DictReader(io.StringIO(rows_to_csv(rows))))
+    assert parsed[0]["size"] == "1024" and parsed[0]["type"] == "bfloat16"
+    assert float(parsed[0]["busbw_gbps"]) == pytest.approx(rows[0].busbw, rel=1e-5)
+    assert parsed[0]["inplace"] == "0"
+
+
+def test_child_env_strips_other_launchers() -> None:
+    parent = {"PATH": "/bin", "PMI_RANK": "3", "OMPI_COMM_WORLD_RANK": "1", "SLURM_PROCID": "0",
+              "RANK": "5", "MASTER_ADDR": "10.0.0.1", "OMP_NUM_THREADS": "4", "TORCHELASTIC_RUN_ID": "x"}
+    env = child_env(parent, 1, 2, 29555)
+    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2"
+    assert env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "29555"
+    assert env["OMP_NUM_THREADS"] == "4" and env["PATH"] == "/bin"
+    for gone in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TORCHELASTIC_RUN_ID"):
+        assert gone not in env
+    assert env[bench.CHILD_MARK] == "1"
+    assert parent["RANK"] == "5"  # the parent's mapping is untouched
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_arguments_aliases_and_defaults() -> None:
+    a = _parse("all_reduce", "-b", "1K", "-e", "4M", "-f", "4", "-d", "bf16", "-n", "3", "-w", "1")
+    assert (a.collective, a.min, a.max, a.factor, a.dtype, a.iters, a.warmup) == (
+        "allreduce", 1024, 4 << 20, 4.0, "bfloat16", 3, 1)
+    assert _parse("allgather").collective == "all_gather"
+    assert _parse("reducescatter").collective == "reduce_scatter"
+    d = _parse("broadcast")
+    assert d.check and d.pin and d.ceiling and d.nproc is None and d.min_busbw is None
+
+
+@pytest.mark.parametrize("argv", [["alltoall"], ["allreduce", "-b", "1X"], ["allreduce", "-d", "complex64"]])
+def test_arguments_reject(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        _parse(*argv)
+    assert e.value.code == 2
+
+
+def test_run_rejects_bad_values_with_usage_code(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench.run(_parse("allreduce", "-n", "0"), []) == bench.EXIT_USAGE
+    assert bench.run(_parse("allreduce", "-b", "2M", "-e", "1M"), []) == bench.EXIT_USAGE
+    assert "--min" in capsys.readouterr().err
+
+
+def test_header_lines_name_backend_threads_and_versions() -> None:
+    meta = {
+        "collective": "allreduce", "nranks": 2, "nodes": 1, "launcher": "env", "backend": "gloo",
+        "versions": {"cpuddp": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.7", "oneccl_bind_pt": None,
+                     "ipex": None},
+        "min": 1024, "max": 4096, "factor": 2.0, "warmup": 1, "iters": 2, "dtype": "float32", "inplace": True,
+        "check": True, "pin": True, "pin_plan": "CPUs 0, 1 thread(s)",
+        "ranks": [{"host": "vm", "pid": 1, "cpus": "0", "torch_threads": 1, "OMP_NUM_THREADS": "1"}] * 10,
+        "ceiling": {"gbps": 9.5, "bytes": 1 << 28, "threads": 1, "reps": 5, "min_gbps": 9.0, "max_gbps": 10.0},
+    }
+    lines = bench.header_lines(meta)
+    text = "\n".join(lines)
+    assert all(line.startswith("#") for line in lines)
+    for needle in ("backend: gloo", "torch 2.13.0+cpu", "torch threads 1", "OMP_NUM_THREADS=1", "plan: CPUs 0, 1 thread(s)",
+                   "9.50 GB/s", "2 more ranks", "in-place", "max over ranks"):
+        assert needle in text, needle
+
+
+def test_cpulist() -> None:
+    assert bench._cpulist([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert bench._cpulist([]) == ""

@@ -1,0 +1,232 @@
+"""``cpuddp doctor``: the pure warning rules, version matching, the text report, and collect().
+
+The command-line runs (text, --json, a fake launcher environment, timing) are in tests/test_cli.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+
+from cpuddp import doctor
+from cpuddp.doctor import collect, diagnose, format_text, version_match
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(**kw: Any) -> dict[str, Any]:
+    base = {"rank": 0, "world_size": 1, "local_rank": 0, "local_world_size": 1, "node_rank": 0, "num_nodes": 1,
+            "launcher": "none", "master_addr": "127.0.0.1", "master_port": 29500, "job_id": None,
+            "sources": {}}
+    base.update(kw)
+    return base
+
+
+def _plan(cpus: list[int], threads: Optional[int] = None, **kw: Any) -> dict[str, Any]:
+    d = {"local_rank": 0, "local_world_size": 1, "cpus": cpus, "cpulist": ",".join(map(str, cpus)),
+         "num_threads": threads if threads is not None else len(cpus), "ccl_worker_cpus": [], "reason": "test",
+         "warnings": [], "env": {}, "replace_env": []}
+    d.update(kw)
+    return d
+
+
+def codes(warnings: list[dict[str, str]]) -> list[str]:
+    return [w["code"] for w in warnings]
+
+
+@pytest.mark.parametrize(
+    "torch_v, other, expected",
+    [
+        ("2.13.0+cpu", "2.13.10", True),
+        ("2.8.0+cpu", "2.8.0", True),
+        ("2.13.0", "2.8.0", False),  # "2.13" > "2.8" as versions, < as strings
+        ("2.10.1", "2.1.0", False),
+        ("2.13.0", None, None),
+        (None, "2.8.0", None),
+        ("2.13.0", "not-a-version", False),
+    ],
+)
+def test_version_match(torch_v: Optional[str], other: Optional[str], expected: Optional[bool]) -> None:
+    assert version_match(torch_v, other) is expected
+
+
+def test_quiet_single_process() -> None:
+    assert diagnose(_env(), {}, cpus=2, plans=[_plan([0, 1])]) == []
+
+
+def test_more_ranks_than_cpus() -> None:
+    w = diagnose(_env(world_size=4, local_world_size=4), {}, cpus=2,
+                 plans=[_plan([0], warnings=["oversubscribed: 4 local ranks on 2 cores. Fix: fewer"])] * 4)
+    assert codes(w) == ["oversubscribed"]  # the planner's own oversubscription warning is not repeated
+    assert "4 ranks" in w[0]["message"] and "2 usable CPU" in w[0]["message"]
+
+
+def test_threads_oversubscribe_without_plan() -> None:
+    # No pinning plan: torch's default is every usable CPU per rank.
+    w = diagnose(_env(world_size=2, local_world_size=2), {}, cpus=2, plans=[])
+    assert codes(w) == ["oversubscribed"]
+    assert "OMP_NUM_THREADS=1" in w[0]["fix"]
+    assert diagnose(_env(world_size=2, local_world_size=2), {"OMP_NUM_THREADS": "1"}, cpus=2, plans=[]) == []
+
+
+def test_omp_conflict_with_plan() -> None:
+    plans = [_plan([0, 1, 2, 3], threads=8, warnings=["8 threads asked for local rank 0, which is pinned to 4 CPUs"])]
+    w = diagnose(_env(), {"OMP_NUM_THREADS": "8"}, cpus=4, plans=plans)
+    assert codes(w) == ["oversubscribed", "omp-conflict"]
+    assert "threads will share CPUs" in w[1]["message"]
+    idle = diagnose(_env(), {"OMP_NUM_THREADS": "1"}, cpus=4, plans=[_plan([0, 1, 2, 3], threads=1)])
+    assert codes(idle) == ["omp-conflict"] and "idle" in idle[0]["message"]
+
+
+def test_torchrun_default_omp_is_not_a_conflict() -> None:
+    # torchrun sets OMP_NUM_THREADS=1 itself; the planner marks it replaceable.
+    plans = [_plan([0, 1], replace_env=["OMP_NUM_THREADS"]), _plan([2, 3], replace_env=["OMP_NUM_THREADS"])]
+    env = _env(launcher="torchrun", world_size=2, local_world_size=2)
+    assert diagnose(env, {"OMP_NUM_THREADS": "1"}, cpus=4, plans=plans) == []
+
+
+def test_omp_invalid_and_mkl_mismatch() -> None:
+    assert "omp-invalid" in codes(diagnose(_env(), {"OMP_NUM_THREADS": "zero"}, cpus=2))
+    w = diagnose(_env(), {"OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "1"}, cpus=2, plans=[_plan([0, 1])])
+    assert codes(w) == ["omp-conflict"] and "MKL_NUM_THREADS=1" in w[0]["message"]
+
+
+MULTI = _env(world_size=4, local_world_size=2, num_nodes=2, launcher="hydra", master_addr="",
+             sources={"master_addr": "pending: broadcast from rank 0 over MPI"})
+LOOPBACK_HOST = {"name": "node1", "addresses": ["127.0.1.1"], "error": None}
+
+
+def test_multinode_loopback_hostname_and_missing_master_addr() -> None:
+    w = diagnose(MULTI, {}, cpus=2, plans=[_plan([0]), _plan([1])], host=LOOPBACK_HOST, mpi4py=False)
+    assert codes(w) == ["hostname-loopback", "master-addr-missing"]
+    assert "GLOO_SOCKET_IFNAME" in w[0]["fix"] and "127.0.1.1" in w[0]["message"]
+    assert "mpi4py is not installed" in w[1]["message"]
+    ok = diagnose(MULTI, {}, cpus=2, plans=[_plan([0]), _plan([1])], host=LOOPBACK_HOST, mpi4py=True)
+    assert "mpi4py is installed" in ok[1]["message"]
+
+
+def test_multinode_loopback_hostname_is_fine_when_cpuddp_knows_the_interface() -> None:
+    env = dict(MULTI, master_addr="10.0.0.1")
+    w = diagnose(env, {"MASTER_ADDR": "10.0.0.1"}, cpus=2, plans=[_plan([0]), _plan([1])], host=LOOPBACK_HOST,
+                 gloo_ifname="eth0")
+    assert w == []
+
+
+def test_multinode_quiet_when_configured() -> None:
+    environ = {"GLOO_SOCKET_IFNAME": "eth0", "MASTER_ADDR": "10.0.0.1"}
+    env = dict(MULTI, master_addr="10.0.0.1")
+    assert diagnose(env, environ, cpus=2, plans=[_plan([0]), _plan([1])], host=LOOPBACK_HOST) == []
+    w = diagnose(env, {"MASTER_ADDR": "127.0.0.1"}, cpus=2, plans=[_plan([0]), _plan([1])],
+                 host={"name": "n", "addresses": ["10.0.0.2"], "error": None})
+    assert codes(w) == ["master-addr-loopback"]
+
+
+def test_single_node_ignores_loopback() -> None:
+    env = _env(world_size=2, local_world_size=2)
+    assert diagnose(env, {}, cpus=2, plans=[_plan([0]), _plan([1])], host=LOOPBACK_HOST) == []
+
+
+def test_planner_warnings_are_passed_on_once() -> None:
+    text = "local ranks get unequal shares (1 to 2 cores). Fix: use a rank count that divides"
+    w = diagnose(_env(world_size=2, local_world_size=2), {}, cpus=3,
+                 plans=[_plan([0, 1], warnings=[text]), _plan([2], warnings=[text])])
+    assert codes(w) == ["pinning"]
+    assert w[0]["fix"] == "use a rank count that divides" and "Fix" not in w[0]["message"]
+
+
+def test_collect_degrades_and_formats(tmp_path: Path) -> None:
+    # An empty filesystem root: the CPU section still answers (fallbacks), nothing raises.
+    report = collect({"OMP_NUM_THREADS": "1"}, root=str(tmp_path))
+    text = format_text(report)
+    for heading in ("Launcher", "Versions", "Backends", "CPU", "Threads", "Pinning plan", "Warnings"):
+        assert heading in text
+    json.dumps(report, default=str)
+
+
+def test_collect_reports_launcher_error() -> None:
+    report = collect({"RANK": "1"})  # half a launcher environment
+    la = report["launcher"]
+    assert la["ok"] is False and la["variable"] == "WORLD_SIZE"
+    assert "WORLD_SIZE" in format_text(report)
+    assert report["pinning"]["available"] is False
+
+
+def test_collect_fake_launcher() -> None:
+    environ = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    report = collect(environ)
+    assert report["launcher"]["ok"] and report["launcher"]["name"] == "hydra"
+    assert report["launcher"]["env"]["rank"] == 1
+    plans = report["pinning"]["plans"]
+    assert [p["local_rank"] for p in plans] == [0, 1]
+    assert report["network"]["GLOO_SOCKET_IFNAME"] == "lo"  # one node on loopback
+
+
+def test_text_marks_missing_sections() -> None:
+    report = {
+        "launcher": {"available": False, "error": "ImportError: x"},
+        "versions": {"cpuddp": "0", "python": "3", "torch": None, "ipex": None, "oneccl_bind_pt": None},
+        "backends": {"available": False, "error": "ModuleNotFoundError: cpuddp.backends"},
+        "cpu": {"available": False, "error": "OSError: y"},
+        "threads": {"OMP_NUM_THREADS": "2"},
+        "pinning": {"available": False, "error": "z"},
+        "host": {"name": "h", "addresses": [], "error": "slow"},
+        "warnings": [{"code": "c", "message": "m", "fix": "f"}],
+        "elapsed_s": 0.01,
+    }
+    text = format_text(report)
+    assert text.count("not available") == 4
+    assert "OMP_NUM_THREADS=2" in text and "! m" in text and "fix: f" in text
+
+
+@pytest.mark.timeout(60)
+def test_doctor_imports_no_heavy_module() -> None:
+    code = (
+        "import sys, cpuddp.doctor as d; d.collect(); "
+        "heavy = [m for m in ('torch', 'cpuinfo', 'mpi4py', 'intel_extension_for_pytorch', "
+        "'oneccl_bindings_for_pytorch') if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_main_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert doctor.main(["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["format"] == "cpuddp-doctor/1" and "warnings" in data
+
+
+def test_backends_light_by_default_and_auto_is_gloo_without_ccl() -> None:
+    report = collect({})
+    names = {b["name"]: b for b in report["backends"]["backends"]}
+    assert {"gloo", "ccl"} <= set(names)
+    assert report["backends"]["auto"]["name"] in ("gloo", "ccl")
+    if "torch" not in __import__("sys").modules:
+        assert names["gloo"]["available"] is None and "--torch" in names["gloo"]["reason"]
+    assert "torch" not in report  # only with probe_torch=True
+
+
+@pytest.mark.timeout(60)
+def test_doctor_torch_flag_probes_torch() -> None:
+    r = subprocess.run([sys.executable, "-m", "cpuddp", "doctor", "--json", "--torch"], cwd=REPO,
+                       capture_output=True, text=True, timeout=50)
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    gloo = next(b for b in data["backends"]["backends"] if b["name"] == "gloo")
+    assert gloo["available"] is True
+    assert data["torch"]["num_threads"] >= 1
+
+
+def test_version_mismatch_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed = {"torch": "2.13.0+cpu", "oneccl_bind_pt": "2.8.0+cpu", "intel_extension_for_pytorch": "2.8.0"}
+    monkeypatch.setattr(doctor, "_dist_version", installed.get)
+    report = collect({})
+    assert report["versions"]["ipex_matches_torch"] is False
+    assert report["versions"]["oneccl_bind_pt_matches_torch"] is False
+    mism = [w for w in report["warnings"] if w["code"] == "version-mismatch"]
+    assert len(mism) == 2 and "built for torch 2.8" in mism[0]["message"]
+    assert "MISMATCH" in format_text(report)
