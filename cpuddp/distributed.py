@@ -39,6 +39,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any, Iterator, Mapping, MutableMapping, Optional, Union
 
 from .env import DistEnv
@@ -86,15 +87,19 @@ def init_distributed(
     """
     global _state
     with _lock:
-        import torch.distributed as dist
+        if _state is not None:
+            import torch.distributed as dist
 
-        if _state is not None and dist.is_initialized():
-            log.debug("init_distributed: already initialized; returning the current DistEnv")
-            return _state
+            if dist.is_initialized():
+                log.debug("init_distributed: already initialized; returning the current DistEnv")
+                return _state
         environ = os.environ if environ is None else environ
         _configure_logging(environ)
         td = _timeout(timeout, environ)
+        # Before importing torch (2 s or more): a malformed environment fails at once.
         env = detect(environ)
+        import torch.distributed as dist
+
         if dist.is_initialized():
             # Someone else made the group (e.g. torch's own init_process_group): adopt it.
             env = env.replace(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=dist.get_backend())
@@ -124,6 +129,9 @@ def init_distributed(
         _rendezvous(env, choice.name, td, environ)
         env = env.replace(backend=choice.name)
         env = _check_hosts(env)
+        from . import watchdog
+
+        watchdog.start(env, _store)
         if plan is not None:
             from . import affinity
 
@@ -149,6 +157,10 @@ def shutdown(timeout: float = SHUTDOWN_TIMEOUT) -> None:
     global _state, _store, _pin_state
     with _lock:
         import torch.distributed as dist
+
+        from . import watchdog
+
+        watchdog.stop()  # first: it says "done" through the store the group is about to drop
 
         if dist.is_available() and dist.is_initialized():
             done = threading.Event()
@@ -280,7 +292,30 @@ def local_address() -> str:
 
 
 def _job_key(env: DistEnv) -> str:
-    return f"{env.job_id or 'nojobid'}/w{env.world_size}"
+    job = env.job_id
+    if job is None and env.single_node and env.launcher in ("hydra", "openmpi", "mvapich"):
+        # MPICH gives no job id, but an MPI launcher starts every rank on a node from one
+        # proxy process: its pid tells two concurrent jobs on this machine apart.
+        proxy = _launcher_proxy_pid()
+        if proxy is not None:
+            job = f"proxy={proxy}@{socket.gethostname()}"
+    return f"{job or 'nojobid'}/w{env.world_size}"
+
+
+#: Per-node daemons that MPI launchers start the ranks from.
+_PROXY_NAMES = ("hydra_pmi_proxy", "pmi_proxy", "mpispawn", "prted", "orted")
+
+
+def _launcher_proxy_pid() -> Optional[int]:
+    """The pid of the MPI launcher's per-node proxy above this process (through any wrapper
+    scripts between them), or None."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for parent in psutil.Process().parents():
+            if parent.name() in _PROXY_NAMES:
+                return parent.pid
+    return None
 
 
 def _rendezvous(env: DistEnv, backend: str, td: datetime.timedelta, environ: Mapping[str, str]) -> None:
@@ -358,6 +393,7 @@ def _rendezvous(env: DistEnv, backend: str, td: datetime.timedelta, environ: Map
 def _connect(env: DistEnv, td: datetime.timedelta) -> Any:
     addr, port = env.master_addr, env.master_port
     try:
+        _wait_listening(addr, port, td.total_seconds())
         return _tcp_store(addr, port, env.world_size, False, td, None)
     except Exception as exc:  # torch raises DistStoreError / RuntimeError
         raise RendezvousError(
@@ -368,6 +404,21 @@ def _connect(env: DistEnv, td: datetime.timedelta) -> Any:
         ) from None
 
 
+def _wait_listening(addr: str, port: int, seconds: float) -> None:
+    """Return once ``addr:port`` accepts a TCP connection; TimeoutError after ``seconds``.
+    (A bare connect and close: the store's server ignores it.)"""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, left))):
+                return
+        except OSError as exc:
+            if left <= 0.1:
+                raise TimeoutError(f"nothing accepted a connection at {addr}:{port} ({exc.strerror or exc})") from None
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else ""
@@ -376,15 +427,49 @@ def _first_line(exc: BaseException) -> str:
 def _init_group(env: DistEnv, backend: str, store: Any, td: datetime.timedelta) -> None:
     import torch.distributed as dist
 
+    with contextlib.suppress(Exception):
+        store.append("cpuddp/arrived", f"{env.rank},")
     try:
         dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=td)
     except Exception as exc:
+        missing = _missing_ranks(env, store)
+        where = f"{env.master_addr}:{env.master_port}"
+        if missing:
+            shown = missing if len(missing) <= 16 else f"{missing[:16]} and {len(missing) - 16} more"
+            raise RendezvousError(
+                f"rank {env.rank}: the {backend} group of {env.world_size} did not form within "
+                f"{td.total_seconds():.0f} s: rank(s) {shown} never arrived "
+                f"({type(exc).__name__}: {_first_line(exc)})",
+                fix=f"{_size_var(env)}={env.world_size} but rank(s) {shown} never reached the rendezvous at {where}: "
+                "start them (check the launcher's rank count and their logs), or fix the world size",
+            ) from exc
+        if missing == []:
+            fix = (f"every rank reached the rendezvous at {where}, but they could not connect to each other: "
+                   "set GLOO_SOCKET_IFNAME to the interface the hosts share, and check firewalls between them")
+        else:
+            fix = ("a rank did not start or cannot reach the others; check every rank's log "
+                   "(and GLOO_SOCKET_IFNAME on multi-homed hosts)")
         raise RendezvousError(
             f"rank {env.rank}: forming the {backend} group of {env.world_size} failed: "
             f"{type(exc).__name__}: {_first_line(exc)}",
-            fix="a rank did not start or cannot reach the others; check every rank's log "
-            "(and GLOO_SOCKET_IFNAME on multi-homed hosts)",
+            fix=fix,
         ) from exc
+
+
+def _size_var(env: DistEnv) -> str:
+    var = env.sources.get("world_size", "")
+    return var if var and not var.startswith(("derived", "default")) else "WORLD_SIZE"
+
+
+def _missing_ranks(env: DistEnv, store: Any) -> Optional[list[int]]:
+    """The ranks that never announced themselves in the store (None when unknown)."""
+    try:
+        if not store.check(["cpuddp/arrived"]):
+            return None
+        seen = {int(x) for x in store.get("cpuddp/arrived").decode().split(",") if x.strip().isdigit()}
+    except Exception:
+        return None
+    return [r for r in range(env.world_size) if r not in seen]
 
 
 def _tcp_store(addr: str, port: int, world: int, is_master: bool, td: datetime.timedelta, fd: Optional[int]) -> Any:
