@@ -511,7 +511,7 @@ def _unknown(name: Any) -> BackendError:
     valid = ", ".join(["auto", *BACKENDS])
     return BackendError(
         f"unknown backend {name!r}; valid choices: {valid}",
-        fix=f"pass one of: {valid} -- or add it with cpuddp.register_backend({str(name).strip().lower()!r}, module=...)",
+        fix=f"pass backend= one of: {valid} -- or add it with cpuddp.register_backend({str(name).strip().lower()!r}, module=...)",
     )
 
 

@@ -230,6 +230,14 @@ def _timeout(timeout: Optional[Timeout], environ: Mapping[str, str]) -> datetime
         else:
             timeout = DEFAULT_TIMEOUT
     td = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
+    if td.total_seconds() <= 0 and source == "CPUDDP_TIMEOUT":
+        raise LauncherEnvError(
+            "CPUDDP_TIMEOUT must be a positive number of seconds",
+            variable="CPUDDP_TIMEOUT",
+            value=environ.get("CPUDDP_TIMEOUT"),
+            launcher="the job script",
+            fix="export CPUDDP_TIMEOUT=300 (seconds), or unset it",
+        )
     if td.total_seconds() <= 0:
         raise ValueError(f"{source} must be positive, got {timeout!r}; pass seconds or a timedelta, e.g. timeout=300")
     return td
