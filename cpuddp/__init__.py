@@ -26,6 +26,19 @@ _EXPORTS = {
     "shutdown": "distributed",
     "get_env": "distributed",
     "session": "distributed",
+    # prepare and the loop helpers
+    "prepare": "preparation",
+    "PrepareInfo": "preparation",
+    "prepared_info": "preparation",
+    "unwrap": "preparation",
+    "shard": "loop",
+    "ShardedLoader": "loop",
+    "autocast": "loop",
+    "reduce_mean": "loop",
+    "is_main_process": "loop",
+    "barrier": "loop",
+    "save_state_dict": "loop",
+    "load_state_dict": "loop",
     # backends
     "available_backends": "backends",
     "backend_status": "backends",
@@ -67,7 +80,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-if TYPE_CHECKING:  # pragma: no cover
+if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
     from .distributed import get_env, init_distributed, session, shutdown
     from .backends import (
         BackendChoice,
@@ -80,6 +93,17 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from .affinity import PinPlan, current_plan, pinned, plan_for
     from .env import DistEnv, detect
+    from .loop import (
+        ShardedLoader,
+        autocast,
+        barrier,
+        is_main_process,
+        load_state_dict,
+        reduce_mean,
+        save_state_dict,
+        shard,
+    )
+    from .preparation import PrepareInfo, prepare, prepared_info, unwrap
     from .topology import Topology, cpu_features, read_topology
     from .errors import (
         BackendError,

@@ -343,7 +343,6 @@ def _rendezvous(env: DistEnv, backend: str, td: datetime.timedelta, environ: Map
         _init_group(env, backend, store, td)
         return
 
-    name = LAUNCHER_NAMES.get(env.launcher, env.launcher)
     addr, port = env.master_addr, env.master_port
     try:
         resolved = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)

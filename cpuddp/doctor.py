@@ -132,7 +132,6 @@ def diagnose(
     out: list[dict[str, str]] = []
     lws = int(env["local_world_size"]) if env else 1
     nodes = int(env["num_nodes"]) if env else 1
-    launcher = env["launcher"] if env else None
 
     omp_raw = environ.get("OMP_NUM_THREADS")
     omp = _int_or_none(omp_raw)

@@ -8,6 +8,10 @@ import sys
 import pytest
 
 
+# Set by pytest itself, and by torch on first use of an optimizer or torch.compile.
+_SET_BY_TOOLS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+
+
 @pytest.fixture(autouse=True)
 def _no_leaks():
     before = dict(os.environ)
@@ -23,7 +27,7 @@ def _no_leaks():
             cpuddp.shutdown()
     after = dict(os.environ)
     changed = sorted(
-        k for k in set(before) | set(after) if before.get(k) != after.get(k) and k != "PYTEST_CURRENT_TEST"
+        k for k in set(before) | set(after) if before.get(k) != after.get(k) and k not in _SET_BY_TOOLS
     )
     os.environ.clear()
     os.environ.update(before)

@@ -224,7 +224,7 @@ def test_xdist_workers_never_share_a_port(pytester):
 
 @pytest.mark.timeout(180)
 def test_the_docs_example_passes(pytester):
-    pytest.importorskip("cpuddp.prepare")
+    pytest.importorskip("cpuddp.preparation")
     if not DOCS.exists():
         pytest.skip("docs/testing.md is not next to the tests")
     section = DOCS.read_text().split("## A complete example", 1)[1]
