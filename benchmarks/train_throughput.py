@@ -34,6 +34,7 @@ import importlib.util
 import itertools
 import json
 import os
+import shlex
 import platform
 import socket
 import statistics
@@ -190,7 +191,7 @@ def command(runner: str, precision: str, ranks: int, opts: argparse.Namespace, r
                         "--model", "hf", "--log-every", str(max(1, min(10, opts.steps)))]
         if precision == "bf16":
             cmd.append("--bf16")
-        return cmd
+        return cmd + shlex.split(opts.cpuddp_args)
     return launch + [str(Path(__file__).resolve()), "--worker", "trainer", *common,
                      "--warmup", str(opts.warmup), "--precision", precision]
 
@@ -351,6 +352,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=5e-4, help="peak learning rate, both runners (default 5e-4, as the example)")
     ap.add_argument("--num-samples", type=int, default=4096)
     ap.add_argument("--runners", default=",".join(RUNNERS))
+    ap.add_argument("--cpuddp-args", default="", help="extra arguments for the example, e.g. '--no-pin'")
     ap.add_argument("--precisions", default=",".join(PRECISIONS))
     ap.add_argument("--ranks", default=",".join(map(str, RANKS)))
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")

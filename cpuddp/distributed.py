@@ -492,9 +492,8 @@ def _host_identity() -> str:
     """What distinguishes hosts: hostname, boot id and network namespace (so two network
     namespaces on one machine count as two hosts, as they do for gloo)."""
     parts = [socket.gethostname()]
-    for path in ("/proc/sys/kernel/random/boot_id",):
-        with contextlib.suppress(OSError):
-            parts.append(open(path).read().strip())
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        parts.append(f.read().strip())
     with contextlib.suppress(OSError):
         parts.append(str(os.stat("/proc/self/ns/net").st_ino))
     return "|".join(parts)

@@ -25,7 +25,6 @@ from cpuddp.loop import (
     shard,
 )
 from cpuddp.preparation import prepare, unwrap
-from cpuddp.testing import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -157,7 +156,7 @@ def _two_rank_checks(path: str) -> dict:
 
 
 @pytest.mark.timeout(180)
-def test_loop_helpers_on_two_ranks(tmp_path):
+def test_loop_helpers_on_two_ranks(run_distributed, tmp_path):
     path = str(tmp_path / "ck.pt")
     r0, r1 = run_distributed(_two_rank_checks, 2, args=(path,), timeout=150)
     assert r0["main"] and not r1["main"]

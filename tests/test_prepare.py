@@ -20,7 +20,6 @@ from cpuddp.preparation import (
     prepared_info,
     unwrap,
 )
-from cpuddp.testing import run_distributed
 
 # the module, not the function of the same name (see the name clash guard in prepare.py)
 prepare_mod = importlib.import_module("cpuddp.preparation")
@@ -392,7 +391,7 @@ def _ddp_checks() -> dict:
 
 
 @pytest.mark.timeout(180)
-def test_ddp_wrap_on_two_ranks():
+def test_ddp_wrap_on_two_ranks(run_distributed):
     results = run_distributed(_ddp_checks, 2, timeout=150)
     for r in results:
         assert r["ddp"] and r["bucket_view"] and not r["device_ids"]
@@ -452,7 +451,7 @@ def _train_rank(opt_name: str) -> list[torch.Tensor]:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("opt_name", ["sgd-momentum", "adamw"])
-def test_two_ranks_half_batch_equals_one_process_full_batch(opt_name):
+def test_two_ranks_half_batch_equals_one_process_full_batch(run_distributed, opt_name):
     reference = _train(opt_name, 0, 1)
     ranks = run_distributed(_train_rank, 2, args=(opt_name,), timeout=150)
     # the run changed the weights (a test of nothing would pass too)
