@@ -66,6 +66,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence
 
+from .topology import format_cpulist
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -125,12 +127,6 @@ _DTYPES = {
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
-# Variables of launcher families that must not leak into the ranks --nproc starts.
-_LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "OMPI_COMM_WORLD_", "MV2_COMM_WORLD_", "SLURM_", "TORCHELASTIC_",
-                      "HYDRA_", "I_MPI_HYDRA_")
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK",
-                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                  "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
 CHILD_MARK = "CPUDDP_BENCH_CHILD"
 
 
@@ -320,8 +316,9 @@ def rows_to_csv(rows: Sequence[Row]) -> str:
 
 def child_env(environ: Mapping[str, str], rank: int, nproc: int, port: int) -> dict[str, str]:
     """The environment of local rank ``rank`` started by ``--nproc`` (pure)."""
-    env = {k: v for k, v in environ.items()
-           if k not in _LAUNCHER_VARS and not k.startswith(_LAUNCHER_PREFIXES)}
+    from .launchers import clean_environ
+
+    env = clean_environ(environ)  # no launcher variables leak into the ranks --nproc starts
     env.update({
         "RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
@@ -717,21 +714,8 @@ def _rank_info() -> dict[str, Any]:
         cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - not Linux
         cpus = []
-    return {"host": socket.gethostname(), "pid": os.getpid(), "cpus": _cpulist(cpus),
+    return {"host": socket.gethostname(), "pid": os.getpid(), "cpus": format_cpulist(cpus),
             "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
-
-
-def _cpulist(cpus: Sequence[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5"."""
-    parts, i = [], 0
-    cpus = sorted(cpus)
-    while i < len(cpus):
-        j = i
-        while j + 1 < len(cpus) and cpus[j + 1] == cpus[j] + 1:
-            j += 1
-        parts.append(str(cpus[i]) if i == j else f"{cpus[i]}-{cpus[j]}")
-        i = j + 1
-    return ",".join(parts)
 
 
 def header_lines(meta: Mapping[str, Any]) -> list[str]:

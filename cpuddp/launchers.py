@@ -58,6 +58,10 @@ __all__ = [
     "expand_tasks_per_node",
     "derive_port",
     "is_loopback",
+    "LAUNCHER_ENV_PREFIXES",
+    "LAUNCHER_ENV_NAMES",
+    "is_launcher_variable",
+    "clean_environ",
 ]
 
 #: Human names of the families, used in messages.
@@ -71,6 +75,26 @@ LAUNCHER_NAMES = {
     "env": "RANK/WORLD_SIZE (Kubeflow or exported by hand)",
     "none": "no launcher",
 }
+
+#: Variables that describe a launched process (every family's, and what cpuddp exports).  A
+#: process that starts ranks of its own (``cpuddp bench --nproc``, ``cpuddp.testing``) strips
+#: them, so a run inside mpirun or srun still gets a clean world of its own.
+LAUNCHER_ENV_PREFIXES = (
+    "PMI_", "PMIX_", "OMPI_", "MV2_", "MPIRUN_", "SLURM_", "MPI_LOCAL", "I_MPI_HYDRA", "HYDRA_",
+    "TORCHELASTIC_", "GROUP_", "ROLE_",
+)
+LAUNCHER_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def is_launcher_variable(name: str) -> bool:
+    """True for a variable some launcher sets to describe a launched process."""
+    return name in LAUNCHER_ENV_NAMES or name.startswith(LAUNCHER_ENV_PREFIXES)
+
+
+def clean_environ(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` without any launcher's variables."""
+    return {k: v for k, v in environ.items() if not is_launcher_variable(k)}
+
 
 # Each family's per-process rank variable, for the conflict check.
 _RANK_VARS = {

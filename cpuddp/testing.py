@@ -83,19 +83,15 @@ from .errors import RankFailedError
 
 __all__ = ["run_distributed", "clean_environ", "is_launcher_variable", "LAUNCHER_ENV_PREFIXES", "LAUNCHER_ENV_NAMES"]
 
+from . import launchers as _launchers
+
 log = logging.getLogger("cpuddp.testing")
 
-#: Variables that describe a launched process.  They are stripped from each rank's
-#: environment (so a test run under mpirun or srun still gets a clean world) and hidden
-#: from a test by the ``clean_launcher_env`` fixture.
-LAUNCHER_ENV_PREFIXES = (
-    "PMI_", "PMIX_", "OMPI_", "MV2_", "MPIRUN_", "SLURM_", "MPI_LOCAL", "I_MPI_HYDRA", "HYDRA_",
-    "TORCHELASTIC_", "GROUP_", "ROLE_", "CCL_",
-)
-LAUNCHER_ENV_NAMES = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR",
-    "MASTER_PORT", "GLOO_SOCKET_IFNAME",
-)
+#: What a test must not inherit: every launcher's variables (:mod:`cpuddp.launchers`) plus the
+#: backend settings cpuddp exports, so one test's world never leaks into the next.  They are
+#: stripped from each rank's environment and hidden from a test by ``clean_launcher_env``.
+LAUNCHER_ENV_PREFIXES = (*_launchers.LAUNCHER_ENV_PREFIXES, "CCL_")
+LAUNCHER_ENV_NAMES = (*_launchers.LAUNCHER_ENV_NAMES, "GLOO_SOCKET_IFNAME")
 
 #: Set by run_distributed for each rank; ``env=`` may not override them.
 _RANK_CONTROLLED = (

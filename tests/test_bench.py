@@ -200,8 +200,3 @@ def test_header_lines_name_backend_threads_and_versions() -> None:
     for needle in ("backend: gloo", "torch 2.13.0+cpu", "torch threads 1", "OMP_NUM_THREADS=1", "plan: CPUs 0, 1 thread(s)",
                    "9.50 GB/s", "2 more ranks", "in-place", "max over ranks"):
         assert needle in text, needle
-
-
-def test_cpulist() -> None:
-    assert bench._cpulist([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
-    assert bench._cpulist([]) == ""
