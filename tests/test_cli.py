@@ -161,7 +161,8 @@ if sys.argv[1] == "fail" and rank == 1:
     sys.exit(7)
 if sys.argv[1] == "ok":
     sys.exit(0)
-time.sleep(60)
+SIMULATED_HANG = 60  # seconds; the spawner kills this rank long before
+time.sleep(SIMULATED_HANG)
 """
 
 

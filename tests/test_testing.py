@@ -15,6 +15,10 @@ import pytest
 from cpuddp.errors import RankFailedError
 from cpuddp.testing import _marker_options, _trim_stack, clean_environ, run_distributed
 
+#: How long a rank that simulates a hang sleeps: far past every timeout here, so the
+#: harness (and pytest-timeout) must end it; it never ends a test by itself.
+SIMULATED_HANG = 120
+
 # --------------------------------------------------------------------------- helpers
 
 
@@ -77,13 +81,13 @@ def _raise_on_1(peer: str, pid_file: str):
     import torch.distributed as dist
 
     if dist.get_rank() == 1:
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({SIMULATED_HANG})"])
         with open(pid_file, "w") as f:
             f.write(str(child.pid))
         raise ValueError("rank one exploded")
     if peer == "collective":
         dist.all_reduce(torch.ones(1))  # blocked with the rank that raised
-    time.sleep(120)
+    time.sleep(SIMULATED_HANG)
 
 
 def _die_on_1(how: str):
@@ -98,7 +102,7 @@ def _die_on_1(how: str):
             import ctypes
 
             ctypes.string_at(0)
-    time.sleep(120)
+    time.sleep(SIMULATED_HANG)
 
 
 def _world():
