@@ -536,6 +536,9 @@ def _make_op(collective: str, count: int, dtype: "torch.dtype", inplace: bool, r
             total += _pattern(count, r, torch.float64)
         return total
 
+    # Each collective's ``bare`` loop is written out in full on purpose: it is the reference that
+    # ``--compare-bare`` sets cpuddp's timed loop against, so it must share none of that loop's
+    # code (a helper taking a callable would just be cpuddp's loop again).
     if collective == "allreduce":
         buf = torch.zeros(count, dtype=dtype)
 

@@ -15,24 +15,23 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import pytest
+
+from netns_util import NetnsPair, veth_pair
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 ADDRS = ("10.77.0.1", "10.77.0.2")
 PORT = 29500  # fresh namespaces: nothing else listens there
-IP_TIMEOUT = 15  # seconds, for each `ip` command
 PASS_TIMEOUT = 150  # seconds for a run that must succeed (both ranks import torch on 2 cores)
 FAIL_INIT_TIMEOUT = 8  # seconds: torch's own init timeout in the runs expected to fail
 FAIL_TIMEOUT = 30  # seconds before a run expected to fail is killed
@@ -78,66 +77,11 @@ else:
 '''
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT, check=check)
-
-
-@dataclass(frozen=True)
-class NetnsPair:
-    namespaces: tuple[str, str]
-    interfaces: tuple[str, str]
-    addrs: tuple[str, str]
-
-
-def _cleanup(namespaces: list[str]) -> None:
-    for ns in namespaces:
-        # Kill what is left in our own namespaces (processes this test started), by pid.
-        try:
-            pids = _ip("netns", "pids", ns, check=False).stdout.split()
-        except subprocess.TimeoutExpired:
-            pids = []
-        for pid in pids:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ValueError, ProcessLookupError, PermissionError):
-                pass
-        try:
-            _ip("netns", "del", ns, check=False)  # deleting a namespace deletes its veth end
-        except subprocess.TimeoutExpired:
-            pass
-
-
 @pytest.fixture
-def netns_pair():
+def netns_pair() -> Iterator[NetnsPair]:
     """Two network namespaces joined by a veth pair; always deleted afterwards."""
-    if not sys.platform.startswith("linux"):
-        pytest.skip("network namespaces are Linux-only")
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces (ip netns)")
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` command (iproute2) is not installed")
-    token = f"{os.getpid() % 100000:05d}{secrets.token_hex(2)}"
-    namespaces = (f"cpuddp-{token}-a", f"cpuddp-{token}-b")
-    interfaces = (f"cpd{token}a", f"cpd{token}b")  # at most 15 characters
-    created: list[str] = []
-    try:
-        for ns in namespaces:
-            try:
-                _ip("netns", "add", ns)
-            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-                _cleanup(created)
-                detail = getattr(exc, "stderr", "") or str(exc)
-                pytest.skip(f"`ip netns add` is unavailable here: {detail.strip()}")
-            created.append(ns)
-        _ip("link", "add", interfaces[0], "netns", namespaces[0], "type", "veth",
-            "peer", "name", interfaces[1], "netns", namespaces[1])
-        for ns, ifname, addr in zip(namespaces, interfaces, ADDRS):
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
-            _ip("-n", ns, "link", "set", ifname, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield NetnsPair(namespaces, interfaces, ADDRS)
-    finally:
-        _cleanup(created)
+    with veth_pair("cpd", ADDRS) as pair:
+        yield pair
 
 
 def _base_env(init_timeout: float) -> dict[str, str]:

@@ -14,76 +14,26 @@ Needs root and a working ``ip netns``; skips with the reason otherwise.
 from __future__ import annotations
 
 import json
-import os
-import secrets
-import shutil
-import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from failure_scripts.procs import PY, Job, base_env, leftovers, script
+from netns_util import IP_TIMEOUT, veth_pair
 
 pytestmark = [pytest.mark.netns]
 
 ADDRS = ("10.78.0.1", "10.78.0.2")
-IP_TIMEOUT = 15
 PORT = 29500  # a fresh namespace: nothing else listens there
 CONTROL_PORT = 29999
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=IP_TIMEOUT, check=check)
-
-
-def _delete(namespaces: list[str]) -> None:
-    for ns in namespaces:
-        try:
-            pids = _ip("netns", "pids", ns, check=False).stdout.split()
-        except subprocess.TimeoutExpired:
-            pids = []
-        for pid in pids:  # only processes this test started live in its namespaces
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except (ValueError, ProcessLookupError, PermissionError):
-                pass
-        try:
-            _ip("netns", "del", ns, check=False)
-        except subprocess.TimeoutExpired:
-            pass
-
-
 @pytest.fixture
 def two_namespaces():
-    if not sys.platform.startswith("linux"):
-        pytest.skip("network namespaces are Linux-only")
-    if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces (ip netns)")
-    if shutil.which("ip") is None or shutil.which("ss") is None:
-        pytest.skip("needs `ip` and `ss` (iproute2)")
-    token = secrets.token_hex(3)
-    names = [f"cpd8-{token}-a", f"cpd8-{token}-b"]
-    ifs = (f"cpd8{token}a", f"cpd8{token}b")  # at most 15 characters
-    created: list[str] = []
-    try:
-        for ns in names:
-            try:
-                _ip("netns", "add", ns)
-            except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as exc:
-                _delete(created)
-                pytest.skip(f"`ip netns add` is unavailable here: {(getattr(exc, 'stderr', '') or str(exc)).strip()}")
-            created.append(ns)
-        _ip("link", "add", ifs[0], "netns", names[0], "type", "veth", "peer", "name", ifs[1], "netns", names[1])
-        for ns, ifname, addr in zip(names, ifs, ADDRS):
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
-            _ip("-n", ns, "link", "set", ifname, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield names, ifs
-    finally:
-        _delete(created)
+    with veth_pair("cpd8", ADDRS, tools=("ip", "ss")) as pair:
+        yield list(pair.namespaces), pair.interfaces
 
 
 def _listening(ns: str) -> list[tuple[str, int]]:
