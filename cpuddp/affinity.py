@@ -61,9 +61,10 @@ import logging
 import math
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, MutableMapping, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, MutableMapping, NamedTuple, Optional, Sequence
 
 from .errors import LauncherEnvError
+from .hosts import pairwise_disjoint
 from .topology import Topology, format_cpulist, read_topology
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -78,6 +79,8 @@ __all__ = [
     "restore",
     "pinned",
     "current_plan",
+    "thread_affinity",
+    "thread_ids",
     "launcher_binding",
     "KMP_AFFINITY",
     "KMP_BLOCKTIME",
@@ -380,10 +383,16 @@ def plan_for(
     environ: Optional[Mapping[str, str]] = None,
     topology: Optional[Topology] = None,
     use_hyperthreads: bool = False,
+    local_cpus: Optional[Sequence[frozenset[int]]] = None,
 ) -> PinPlan:
     """The plan for this process: :func:`plan_pinning` on the real topology (or
     ``topology``), with the user-wins rules of the module docstring applied from ``environ``
-    (default ``os.environ``, only read) and ``env.launcher``."""
+    (default ``os.environ``, only read) and ``env.launcher``.
+
+    ``local_cpus``: the allowed CPU sets of every rank on this node, in local-rank order, as
+    gathered at init.  Pairwise disjoint sets mean something already bound each rank
+    (``numactl``, ``srun --cpu-bind``, ``mpirun --bind-to``): the plan stays inside this
+    rank's own set and does not split it again."""
     environ = os.environ if environ is None else environ
     topo = read_topology() if topology is None else topology
     L = env.local_world_size
@@ -407,7 +416,10 @@ def plan_for(
         ccl_workers = _positive_int(environ, "CCL_WORKER_COUNT", minimum=0) if environ.get("CCL_WORKER_COUNT", "").strip() else 1
 
     bound_by = None
-    if topo.usable < topo.base:
+    if L > 1 and local_cpus is not None and len(local_cpus) == L and pairwise_disjoint(local_cpus):
+        who = launcher_binding(environ, env.launcher) or "the launcher or a wrapper (numactl/taskset per rank)"
+        bound_by = f"{who}: the {L} local ranks' allowed CPU sets are disjoint (this rank: CPUs {format_cpulist(topo.usable)})"
+    elif topo.usable < topo.base:
         bound_by = launcher_binding(environ, env.launcher)
         if bound_by:
             bound_by = f"{bound_by} (CPUs {format_cpulist(topo.usable)})"
@@ -446,17 +458,23 @@ def _warn_once(msg: str) -> None:
         log.warning("cpuddp: %s", msg)
 
 
-def _set_affinity(cpus: Iterable[int]) -> Optional[str]:
-    """Set the affinity of every thread of this process; return an error text or None."""
+def thread_ids() -> frozenset[int]:
+    """The ids of this process's threads now (empty where /proc cannot say)."""
+    try:
+        return frozenset(int(t) for t in os.listdir("/proc/self/task"))
+    except OSError:
+        return frozenset()
+
+
+def _set_affinity(cpus: Iterable[int], threads: Optional[Iterable[int]] = None) -> Optional[str]:
+    """Set the affinity of the calling thread and of ``threads`` (default: every thread of
+    this process); return an error text or None."""
     mask = set(cpus)
     try:
         os.sched_setaffinity(0, mask)
     except (OSError, ValueError, AttributeError) as exc:
         return f"{type(exc).__name__}: {exc}"
-    try:
-        tids = [int(t) for t in os.listdir("/proc/self/task")]
-    except OSError:
-        return None
+    tids = thread_ids() if threads is None else threads
     for tid in tids:
         try:
             os.sched_setaffinity(tid, mask)
@@ -500,16 +518,27 @@ class PinState:
         restore(self)
 
 
-def apply_plan(plan: PinPlan, environ: Optional[MutableMapping[str, str]] = None) -> PinState:
+def apply_plan(
+    plan: PinPlan,
+    environ: Optional[MutableMapping[str, str]] = None,
+    *,
+    threads: Optional[Iterable[int]] = None,
+) -> PinState:
     """Pin this process to ``plan.cpus``, set torch's thread count, export ``plan.env`` where
     unset (or set by a launcher's default, see ``plan.replace_env``); log each conflict and
-    each plan warning once.  Returns the :class:`PinState` that :func:`restore` takes."""
+    each plan warning once.  Returns the :class:`PinState` that :func:`restore` takes.
+
+    ``threads``: the thread ids to pin besides the calling thread (default: every thread).
+    :func:`cpuddp.init_distributed` passes the threads that existed before it started, so it
+    pins the compute threads (the main thread, OpenMP's pool) and never re-pins a backend's
+    communication threads; threads started later inherit the mask of the thread that starts
+    them."""
     global _current
     environ = os.environ if environ is None else environ
     for msg in plan.warnings:
         _warn_once(msg)
     prev_aff = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    err = _set_affinity(plan.cpus) if plan.cpus else "empty plan"
+    err = _set_affinity(plan.cpus, threads) if plan.cpus else "empty plan"
     if err:
         _warn_once(f"could not pin local rank {plan.local_rank} to CPUs {format_cpulist(plan.cpus)} ({err}); only the thread count is set")
     prev_threads = _torch_threads(plan.num_threads)
@@ -552,6 +581,26 @@ def restore(state: PinState) -> None:
         else:
             state.environ[key] = old
     _current = state.prev_plan
+
+
+@contextlib.contextmanager
+def thread_affinity(cpus: Optional[Iterable[int]]) -> Iterator[None]:
+    """Run the block with the calling thread (only) allowed on ``cpus``, then put its mask
+    back.  Threads started inside the block inherit ``cpus``: :func:`cpuddp.init_distributed`
+    forms the process group in such a block, so the backend's communication threads may run
+    on every CPU the process was given while compute stays on the rank's own cores.  None, or
+    a platform without affinity, runs the block unchanged."""
+    before = None
+    if cpus is not None and hasattr(os, "sched_getaffinity"):
+        with contextlib.suppress(OSError, ValueError):
+            before = frozenset(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, set(cpus))
+    try:
+        yield
+    finally:
+        if before is not None:
+            with contextlib.suppress(OSError, ValueError):
+                os.sched_setaffinity(0, before)
 
 
 @contextlib.contextmanager

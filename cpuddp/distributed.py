@@ -1,4 +1,4 @@
-"""``init_distributed()``: detect, export, choose a backend, rendezvous, pin -- and tear down.
+"""``init_distributed()``: detect, meet, plan, pin, form the group -- and tear down.
 
 Usage::
 
@@ -6,47 +6,70 @@ Usage::
     ...
     cpuddp.shutdown()                      # or: with cpuddp.session() as env: ...
 
+The order, and why:
+
+1. **Detect** (:func:`cpuddp.launchers.detect`): a malformed environment fails before anything
+   starts, and before torch is imported.
+2. **Meet** (:mod:`cpuddp.rendezvous`): join the job's store -- torchrun's agent store, or a
+   TCP store rank 0 hosts -- and nothing else yet.
+3. **Gather** (:mod:`cpuddp.hosts`): every rank publishes its host, its allowed CPUs and what
+   its launcher said through the store, and reads everyone's.  This fixes the local rank,
+   local size and node rank from the hosts themselves (two ranks on one host launched
+   Kubeflow-style are seen as such), with no collective, no pickle and no numpy.
+4. **Choose the backend** (:func:`cpuddp.backends.resolve_backend`) from that layout; the
+   ranks compare their choices through the store, so they never form mismatched groups.
+5. **Plan and pin** (:mod:`cpuddp.affinity`): the compute threads -- this thread and every
+   thread that existed before init, OpenMP's pool among them -- go to the rank's own cores.
+6. **Form the group** with this thread temporarily allowed on every CPU the process was
+   given, so the backend's communication threads (gloo's, oneCCL's, the store's) start
+   there and are never re-pinned (oneCCL pins its workers itself, from
+   ``CCL_WORKER_AFFINITY``), then run one small collective to prove the group works.
+
+A rank that fails in steps 3-5 publishes its error in the store, and the others raise at
+once naming it.  A failed init undoes what it did (exports, pinning, store, group).
+
 Environment variables read: every launcher's (see :mod:`cpuddp.launchers`), plus
 ``CPUDDP_TIMEOUT`` (seconds; the default for ``timeout=``) and ``CPUDDP_LOG_LEVEL`` (attach a
 stderr handler to the ``cpuddp`` logger at that level).
 
-Environment variables written (for this process and its children): ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; the
-backend's settings (``CCL_*``, ``GLOO_SOCKET_IFNAME``) and the pinning plan's
-(``OMP_NUM_THREADS``, ``KMP_AFFINITY``, ``KMP_BLOCKTIME``) only where the user has not set
-them.  A value the user set that cpuddp must change is logged as a warning.
+Environment variables written, and restored by :func:`shutdown`: ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` go to
+``environ`` (default ``os.environ``); the backend's settings (``CCL_*``, ``FI_*``,
+``GLOO_SOCKET_IFNAME``) and the pinning plan's (``OMP_NUM_THREADS``, ``KMP_AFFINITY``,
+``KMP_BLOCKTIME``) always go to the process environment (``os.environ``), because the
+native libraries read them there, and only where the user has not set them there.  A value
+the user set that cpuddp must change is logged as a warning.  :func:`shutdown` puts back
+every variable it exported unless something changed it since.
 
-The rendezvous: unless torchrun's agent already hosts one, rank 0 binds the TCP store's
-listening socket itself -- on 127.0.0.1 for a single-node job, so nothing is reachable from
-outside the machine -- and fails at once, naming ``MASTER_PORT``, when the port is taken.  The
-store carries a job key (from the launcher's job id), so a rank that reaches another job's
-store fails with a clear error instead of joining it.
-
-Failure modes: a malformed environment raises :class:`~cpuddp.errors.LauncherEnvError` before
-anything is started; a busy port, an unresolvable ``MASTER_ADDR`` or a peer that never comes
-raise :class:`~cpuddp.errors.RendezvousError` (the last within ``timeout``).  The default
+Failure modes: a malformed environment raises :class:`~cpuddp.errors.LauncherEnvError`
+before anything is started; a busy port, an unresolvable ``MASTER_ADDR`` or a peer that never
+comes raise :class:`~cpuddp.errors.RendezvousError` (the last within ``timeout``); a group
+whose first collective fails raises :class:`~cpuddp.errors.BackendError`.  The default
 timeout is 300 s (torch's gloo default is 30 minutes); it bounds the rendezvous and every
-collective.  :func:`shutdown` is bounded too, and runs at interpreter exit.
+collective.  :func:`shutdown` is bounded too, and runs at interpreter exit.  A process whose
+previous group could not be torn down (a peer gone mid-collective) refuses a new one with a
+clear error instead of adopting the dying group.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
-import errno
 import logging
 import os
-import socket
 import threading
-import time
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, MutableMapping, Optional, Union
 
+from . import hosts
 from .env import DistEnv
-from .errors import LauncherEnvError, RendezvousError
-from .launchers import LAUNCHER_NAMES, detect, is_loopback
+from .errors import BackendError, LauncherEnvError, RendezvousError
+from .launchers import detect
+from .rendezvous import first_line, local_address, mpi_master_addr, open_store
 
-__all__ = ["init_distributed", "shutdown", "get_env", "session", "DEFAULT_TIMEOUT"]
+__all__ = ["init_distributed", "shutdown", "get_env", "session", "DEFAULT_TIMEOUT", "local_address"]
 
 log = logging.getLogger("cpuddp")
 
@@ -55,13 +78,56 @@ DEFAULT_TIMEOUT = 300.0
 #: How long :func:`shutdown` waits for torch's own teardown before giving up on it.
 SHUTDOWN_TIMEOUT = 10.0
 
+Timeout = Union[float, int, datetime.timedelta]
+
+
+@dataclass
+class _Session:
+    """What one :func:`init_distributed` put in place, for :func:`shutdown` (or a failed
+    init) to undo."""
+
+    generation: int
+    exported: list[tuple[MutableMapping[str, str], str, Optional[str], str]] = field(default_factory=list)
+    keep: Any = None  # keeps the store (and its listening socket) alive with the group
+    pin_state: Any = None
+    env: Optional[DistEnv] = None
+
+    def export(self, environ: MutableMapping[str, str], values: Mapping[str, str], *, reason: str,
+               strict: bool = False) -> None:
+        """Export ``values``.  ``strict``: these must describe this process, so a differing
+        user value is replaced (with a warning); otherwise the user's value wins (logged at
+        debug)."""
+        for key, value in values.items():
+            old = environ.get(key)
+            if old == value:
+                continue
+            if old is not None and not strict:
+                log.debug("cpuddp: keeping the user's %s=%r (cpuddp would set %r: %s)", key, old, value, reason)
+                continue
+            if old is not None:
+                log.warning("cpuddp: %s was %r; setting it to %r (%s)", key, old, value, reason)
+            self.exported.append((environ, key, old, value))
+            environ[key] = value
+
+    def unexport(self) -> None:
+        """Put back what :meth:`export` changed, newest first, unless changed since."""
+        for environ, key, old, value in reversed(self.exported):
+            if environ.get(key) != value:
+                continue
+            if old is None:
+                environ.pop(key, None)
+            else:
+                environ[key] = old
+        self.exported.clear()
+
+
 _lock = threading.RLock()
 _state: Optional[DistEnv] = None
-_store: Any = None  # keep our TCPStore (and its listening socket) alive with the group
-_pin_state: Any = None
+_session: Optional[_Session] = None
+_generation = 0
+#: Set when torch's teardown of our group did not return: that group cannot be reused.
+_abandoned: Optional[str] = None
 _atexit_registered = False
-
-Timeout = Union[float, int, datetime.timedelta]
 
 
 def get_env() -> Optional[DistEnv]:
@@ -78,21 +144,17 @@ def init_distributed(
 ) -> DistEnv:
     """Join (or form) the job's process group and return where this process sits in it.
 
-    ``backend``: ``"auto"`` (oneCCL when its bindings match torch, else gloo), ``"gloo"``,
-    ``"ccl"``, or any registered name.  ``timeout``: seconds or a timedelta (default
-    ``CPUDDP_TIMEOUT`` or 300 s).  ``pin``: pin this rank to its own physical cores.
-    ``environ``: the environment to read and export to (default ``os.environ``).
+    ``backend``: ``"auto"`` (a working oneCCL, else the shared-memory backend where ranks
+    share a node, else gloo), ``"gloo"``, ``"ccl"``, or any registered name.  ``timeout``:
+    seconds or a timedelta (default ``CPUDDP_TIMEOUT`` or 300 s).  ``pin``: pin this rank's
+    compute threads to its own physical cores.  ``environ``: the mapping to read the
+    launcher's variables from and to export the rank variables to (default ``os.environ``;
+    see the module docstring for the backend's variables).
 
     Safe to call twice: a second call returns the current :class:`DistEnv`.
     """
-    global _state
+    global _state, _session, _generation
     with _lock:
-        if _state is not None:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                log.debug("init_distributed: already initialized; returning the current DistEnv")
-                return _state
         environ = os.environ if environ is None else environ
         _configure_logging(environ)
         td = _timeout(timeout, environ)
@@ -100,91 +162,259 @@ def init_distributed(
         env = detect(environ)
         import torch.distributed as dist
 
+        _check_torch_version()
         if dist.is_initialized():
-            # Someone else made the group (e.g. torch's own init_process_group): adopt it.
-            env = env.replace(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=dist.get_backend())
-            _state = env
-            log.debug("init_distributed: adopting an existing process group: %s", env)
-            return env
-
+            return _adopt(env)
+        _destroy_group(SHUTDOWN_TIMEOUT)  # clears a stale "abandoned" mark once the group is gone
+        if _session is not None:  # the user destroyed our group themselves: finish the job
+            _undo(_session)
+            _state, _session = None, None
         if env.master_addr == "":
-            env = env.replace(master_addr=_mpi_master_addr(env))
-
-        from . import backends
-
-        choice = backends.resolve_backend(backend, env, environ=environ)
-        if env.is_main:
-            log.info("cpuddp: backend %s (%s)", choice.name, choice.reason)
-
-        plan = None
-        if pin:
-            from . import affinity
-
-            plan = affinity.plan_for(env, backend=choice.name, environ=environ)
-
-        _export(environ, env.exported(), reason="describes this process to torch and child processes", strict=True)
-        _export(environ, backends.backend_env(env, choice.name, plan, environ), reason="backend setting")
-        backends.load_backend(choice)
-
-        _rendezvous(env, choice.name, td, environ)
-        env = env.replace(backend=choice.name)
-        env = _check_hosts(env)
-        from . import watchdog
-
-        watchdog.start(env, _store)
-        if plan is not None:
-            from . import affinity
-
-            global _pin_state
-            _pin_state = affinity.apply_plan(plan, environ)
-            env = env.replace(pin_plan=plan)
-        _state = env
+            env = env.replace(master_addr=mpi_master_addr(env))
+        _generation += 1
+        sess = _Session(_generation)
+        try:
+            env = _join(env, backend, td, pin, environ, sess)
+        except BaseException:
+            _undo(sess)
+            raise
+        _state, _session = env, sess
         _register_atexit()
         if env.is_main:
             log.info(
-                "cpuddp: rank %d of %d ready (launcher %s, %d node(s), rendezvous %s:%d)",
-                env.rank, env.world_size, env.launcher, env.num_nodes, env.master_addr, env.master_port,
+                "cpuddp: rank %d of %d ready (launcher %s, backend %s, %d node(s), rendezvous %s:%d)",
+                env.rank, env.world_size, env.launcher, env.backend, env.num_nodes, env.master_addr, env.master_port,
             )
         return env
 
 
-def shutdown(timeout: float = SHUTDOWN_TIMEOUT) -> None:
-    """Destroy the process group (bounded by ``timeout`` seconds) and restore pinning.
+def _check_torch_version() -> None:
+    try:  # TODO(integration): _compat lands with the torch-range work
+        from ._compat import check_torch_version
+    except ImportError:
+        return
+    check_torch_version(log)
 
-    Never hangs: if torch's teardown does not return in time it is abandoned with a warning.
+
+def _adopt(env: DistEnv) -> DistEnv:
+    """The group already exists: ours (return it), a dead one of ours (refuse), or one the
+    user made with torch's own ``init_process_group`` (adopt it)."""
+    global _state
+    import torch.distributed as dist
+
+    if _abandoned is not None:
+        raise RendezvousError(
+            f"the previous process group of this process could not be torn down ({_abandoned}); "
+            "a new one cannot be formed beside it",
+            fix="restart the process (a peer probably died mid-collective); in a notebook, restart the kernel",
+        )
+    if _state is not None:
+        log.debug("init_distributed: already initialized; returning the current DistEnv")
+        return _state
+    env = env.replace(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=dist.get_backend())
+    _state = env
+    log.debug("init_distributed: adopting an existing process group: %s", env)
+    return env
+
+
+def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
+          environ: MutableMapping[str, str], sess: _Session) -> DistEnv:
+    """Steps 2-6 of the module docstring."""
+    from . import affinity, backends
+
+    before = affinity.thread_ids()  # the compute threads (this one, OpenMP's) and the user's
+    wide = hosts.allowed_cpus() or None  # where communication threads may run
+    store = None
+    if env.world_size > 1:
+        rdv = open_store(env, td, environ)
+        store, sess.keep = rdv.store, rdv.keep
+    step = f"cpuddp/init{sess.generation}"
+    try:
+        env, local_cpus = _gather_layout(env, store, f"{step}/host", td)
+        choice = _agree_backend(backend, env, store, f"{step}/backend", td, environ)
+        plan = affinity.plan_for(env, backend=choice.name, environ=environ, local_cpus=local_cpus) if pin else None
+        sess.export(environ, env.exported(), reason="describes this process to torch and child processes", strict=True)
+        sess.export(os.environ, backends.backend_env(env, choice.name, plan, os.environ), reason="backend setting")
+        backends.load_backend(choice)
+        if plan is not None:
+            sess.pin_state = affinity.apply_plan(plan, os.environ, threads=before)
+        if store is not None:
+            hosts.exchange(store, f"{step}/ready", env.rank, env.world_size, "ok", td, what="ready")
+    except BaseException as exc:
+        if store is not None:
+            for name in ("host", "backend", "ready"):
+                hosts.publish_error(store, f"{step}/{name}", env.rank, exc)
+        raise
+    env = env.replace(backend=choice.name, pin_plan=plan)
+    with affinity.thread_affinity(wide):
+        _form_group(env, choice.name, store, td)
+        _first_collective(env, choice.name)
+        if store is not None:
+            from . import watchdog
+
+            watchdog.start(env, sess.keep)
+    return env
+
+
+_LAYOUT_SOURCE = "derived: hosts gathered at init"
+
+
+def _gather_layout(env: DistEnv, store: Any, name: str,
+                   td: datetime.timedelta) -> tuple[DistEnv, Optional[tuple[frozenset[int], ...]]]:
+    """Gather every rank's host and CPUs; return ``env`` with the layout they show, and the
+    allowed CPU sets of the ranks on this host (local-rank order; None for a world of 1)."""
+    if store is None:
+        return env, None
+    mine = hosts.HostRecord.here(env.rank, env.local_rank, env.local_world_size)
+    records = hosts.gather_hosts(store, name, mine, env.world_size, td)
+    lay = hosts.layout(records, env.rank)
+    return _apply_layout(env, lay), lay.local_cpus
+
+
+def _apply_layout(env: DistEnv, lay: hosts.Layout) -> DistEnv:
+    """``env`` with local rank, local size, node rank and node count from the hosts; a
+    launcher that said otherwise is logged (the hosts win: they are what the ranks share)."""
+    found = {"local_rank": lay.local_rank, "local_world_size": lay.local_world_size,
+             "node_rank": lay.node_rank, "num_nodes": lay.num_nodes}
+    changes = {k: v for k, v in found.items() if getattr(env, k) != v}
+    if not changes:
+        return env
+    sources = dict(env.sources)
+    for key, value in changes.items():
+        said = sources.get(key, "")
+        told = said and not said.startswith(("derived", "default"))
+        (log.warning if told and env.is_main else log.info)(
+            "cpuddp: %s %d from the hosts gathered at init, not %d (%s)", key, value, getattr(env, key), said or "default",
+        )
+        sources[key] = _LAYOUT_SOURCE
+    return env.replace(sources=sources, **changes)
+
+
+def _agree_backend(requested: str, env: DistEnv, store: Any, name: str, td: datetime.timedelta,
+                   environ: Mapping[str, str]) -> Any:
+    """This rank's backend choice, checked against every other rank's through the store.
+    Under "auto", ranks that disagree (a binding on some nodes only) all take gloo."""
+    from . import backends
+
+    choice = backends.resolve_backend(requested, env, environ=environ)
+    if store is not None:
+        names = hosts.exchange(store, name, env.rank, env.world_size, choice.name, td, what="backend")
+        if len(set(names)) > 1:
+            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+            if requested.strip().lower() != "auto":
+                raise BackendError(f"the ranks asked for different backends ({shown})",
+                                   fix="pass the same backend= on every rank")
+            gloo = backends.resolve_backend("gloo", env, environ=environ)
+            choice = dataclasses.replace(gloo, reason=f"auto: the ranks' choices differ ({shown}); gloo runs everywhere")
+    if env.is_main:
+        log.info("cpuddp: backend %s (%s)", choice.name, choice.reason)
+    return choice
+
+
+def _form_group(env: DistEnv, backend: str, store: Any, td: datetime.timedelta) -> None:
+    import torch.distributed as dist
+
+    if store is None:
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
+        return
+    try:
+        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=td)
+    except Exception as exc:
+        where = f"{env.master_addr}:{env.master_port}"
+        raise RendezvousError(
+            f"rank {env.rank}: forming the {backend} group of {env.world_size} failed: "
+            f"{type(exc).__name__}: {first_line(exc)}",
+            fix=f"every rank reached the rendezvous at {where}, but they could not connect to each other: "
+            "set GLOO_SOCKET_IFNAME to the interface the hosts share, and check firewalls between them",
+        ) from exc
+
+
+def _first_collective(env: DistEnv, backend: str) -> None:
+    """One small all_reduce: a backend that formed a group but cannot communicate (a oneCCL
+    transport that fails to initialise) fails here, with the fix, not in the first step."""
+    if env.world_size == 1:
+        return
+    import torch
+    import torch.distributed as dist
+
+    from . import backends
+
+    t = torch.ones(1)
+    try:
+        dist.all_reduce(t)
+    except Exception as exc:
+        explain = getattr(backends, "explain_collective_failure", None)
+        if explain is not None:
+            raise explain(backend, os.environ, exc) from exc
+        raise BackendError(
+            f"rank {env.rank}: the {backend} group formed, but its first all_reduce failed: "
+            f"{type(exc).__name__}: {first_line(exc)}",
+            fix="pass backend='gloo' to rule the backend out, and check every rank's log",
+        ) from exc
+    if t.item() != env.world_size:
+        raise BackendError(
+            f"rank {env.rank}: the {backend} group's first all_reduce gave {t.item()}, not {env.world_size}",
+            fix="the backend is broken on this machine: pass backend='gloo'",
+        )
+
+
+def shutdown(timeout: float = SHUTDOWN_TIMEOUT) -> None:
+    """Destroy the process group (bounded by ``timeout`` seconds), restore pinning and the
+    environment variables :func:`init_distributed` exported.
+
+    Never hangs: if torch's teardown does not return in time it is abandoned with a warning,
+    and a later :func:`init_distributed` in this process says so instead of adopting it.
     Safe to call when nothing was initialized.
     """
-    global _state, _store, _pin_state
+    global _state, _session
     with _lock:
-        import torch.distributed as dist
-
         from . import watchdog
 
         watchdog.stop()  # first: it says "done" through the store the group is about to drop
-
-        if dist.is_available() and dist.is_initialized():
-            done = threading.Event()
-
-            def _destroy() -> None:
-                try:
-                    dist.destroy_process_group()
-                except Exception as exc:  # teardown must not raise over a finished job
-                    log.debug("destroy_process_group raised: %s", exc)
-                finally:
-                    done.set()
-
-            t = threading.Thread(target=_destroy, name="cpuddp-shutdown", daemon=True)
-            t.start()
-            if not done.wait(timeout):
-                log.warning("cpuddp: destroy_process_group did not return within %.0f s; abandoning it", timeout)
-        if _pin_state is not None:
-            from . import affinity
-
-            with contextlib.suppress(Exception):
-                affinity.restore(_pin_state)
-            _pin_state = None
-        _store = None
+        _destroy_group(timeout)
+        if _session is not None:
+            _undo(_session)
+        _session = None
         _state = None
+
+
+def _destroy_group(timeout: float) -> None:
+    """``destroy_process_group`` in a thread, waited for at most ``timeout`` seconds."""
+    global _abandoned
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        _abandoned = None  # whatever hung has ended since
+        return
+    if _abandoned is not None:
+        return
+    done = threading.Event()
+
+    def _destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # teardown must not raise over a finished job
+            log.debug("destroy_process_group raised: %s", exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=_destroy, name="cpuddp-shutdown", daemon=True).start()
+    if not done.wait(timeout):
+        _abandoned = f"destroy_process_group did not return within {timeout:.0f} s"
+        log.warning("cpuddp: %s; abandoning it", _abandoned)
+
+
+def _undo(sess: _Session) -> None:
+    """Undo a session: the group (bounded), pinning, exports, the store."""
+    from . import affinity
+
+    _destroy_group(SHUTDOWN_TIMEOUT)
+    if sess.pin_state is not None:
+        with contextlib.suppress(Exception):
+            affinity.restore(sess.pin_state)
+        sess.pin_state = None
+    sess.unexport()
+    sess.keep = None
 
 
 @contextlib.contextmanager
@@ -241,295 +471,6 @@ def _timeout(timeout: Optional[Timeout], environ: Mapping[str, str]) -> datetime
     if td.total_seconds() <= 0:
         raise ValueError(f"{source} must be positive, got {timeout!r}; pass seconds or a timedelta, e.g. timeout=300")
     return td
-
-
-def _export(environ: MutableMapping[str, str], values: Mapping[str, str], *, reason: str, strict: bool = False) -> None:
-    """Export ``values``.  ``strict``: these must describe this process, so a differing user
-    value is replaced (with a warning); otherwise the user's value wins (logged at debug)."""
-    for key, value in values.items():
-        old = environ.get(key)
-        if old is None or old == value:
-            environ[key] = value
-        elif strict:
-            log.warning("cpuddp: %s was %r; setting it to %r (%s)", key, old, value, reason)
-            environ[key] = value
-        else:
-            log.debug("cpuddp: keeping the user's %s=%r (cpuddp would set %r: %s)", key, old, value, reason)
-
-
-def _mpi_master_addr(env: DistEnv) -> str:
-    """Learn rank 0's address over MPI (multi-node MPI job without MASTER_ADDR)."""
-    name = LAUNCHER_NAMES.get(env.launcher, env.launcher)
-    fix = (
-        "export MASTER_ADDR=<rank 0's host or address> to every rank (Intel MPI/MPICH: "
-        "`mpiexec -genv MASTER_ADDR $(hostname -I | cut -d' ' -f1) ...`; Open MPI: "
-        "`mpirun -x MASTER_ADDR=... ...`), or `pip install cpuddp[mpi]` so cpuddp can ask rank 0 over MPI"
-    )
-    try:
-        from mpi4py import MPI  # lazy: importing mpi4py initializes MPI
-    except ImportError:
-        raise LauncherEnvError(
-            f"this is a {env.num_nodes}-node {name} job and MASTER_ADDR is not set",
-            variable="MASTER_ADDR", value=None, launcher=name, fix=fix,
-        ) from None
-    comm = MPI.COMM_WORLD
-    addr = local_address() if comm.Get_rank() == 0 else None
-    addr = comm.bcast(addr, root=0)
-    if not addr:
-        raise LauncherEnvError("rank 0 found no non-loopback address to offer", variable="MASTER_ADDR", value=None, launcher=name, fix=fix)
-    return str(addr)
-
-
-def local_address() -> str:
-    """This host's address for other hosts: the hostname's, unless it is loopback (a common
-    /etc/hosts setup), else the first non-loopback IPv4 address of an interface that is up."""
-    with contextlib.suppress(OSError):
-        addr = socket.gethostbyname(socket.gethostname())
-        if not is_loopback(addr):
-            return addr
-    import psutil
-
-    stats = psutil.net_if_stats()
-    for ifname, addrs in sorted(psutil.net_if_addrs().items()):
-        if ifname in stats and not stats[ifname].isup:
-            continue
-        for a in addrs:
-            if a.family == socket.AF_INET and not is_loopback(a.address):
-                return a.address
-    return ""
-
-
-def _job_key(env: DistEnv) -> str:
-    job = env.job_id
-    if job is None and env.single_node and env.launcher in ("hydra", "openmpi", "mvapich"):
-        # MPICH gives no job id, but an MPI launcher starts every rank on a node from one
-        # proxy process: its pid tells two concurrent jobs on this machine apart.
-        proxy = _launcher_proxy_pid()
-        if proxy is not None:
-            job = f"proxy={proxy}@{socket.gethostname()}"
-    return f"{job or 'nojobid'}/w{env.world_size}"
-
-
-#: Per-node daemons that MPI launchers start the ranks from.
-_PROXY_NAMES = ("hydra_pmi_proxy", "pmi_proxy", "mpispawn", "prted", "orted")
-
-
-def _launcher_proxy_pid() -> Optional[int]:
-    """The pid of the MPI launcher's per-node proxy above this process (through any wrapper
-    scripts between them), or None."""
-    import psutil
-
-    with contextlib.suppress(psutil.Error):
-        for parent in psutil.Process().parents():
-            if parent.name() in _PROXY_NAMES:
-                return parent.pid
-    return None
-
-
-def _rendezvous(env: DistEnv, backend: str, td: datetime.timedelta, environ: Mapping[str, str]) -> None:
-    import torch.distributed as dist
-
-    global _store
-    if env.world_size == 1:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
-        return
-    if env.agent_store:
-        # torchrun's agent (or cpuddp.testing's parent) hosts the store: join it as a client,
-        # under the same prefix torch's env:// rendezvous uses.
-        client = _connect(env, td)
-        attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        _store = client
-        store = dist.PrefixStore(f"/worker/attempt_{attempt}", client)
-        _init_group(env, backend, store, td)
-        return
-
-    addr, port = env.master_addr, env.master_port
-    try:
-        resolved = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
-    except socket.gaierror as exc:
-        raise RendezvousError(
-            f"MASTER_ADDR={addr!r} does not resolve ({exc.strerror})",
-            fix="set MASTER_ADDR to rank 0's hostname or IP address, as every rank can resolve it",
-        ) from None
-
-    key = _job_key(env)
-    if env.rank == 0:
-        # One node: listen only on the address the ranks dial (loopback unless the user chose
-        # otherwise), so nothing is reachable from outside.  Several nodes: every interface.
-        bind_host = str(resolved[0][4][0]) if env.single_node else ""
-        try:
-            sock = socket.create_server((bind_host, port), backlog=max(128, env.world_size))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise RendezvousError(
-                    f"rank 0 cannot listen on MASTER_PORT={port}: the port is already in use "
-                    f"(another job, or a leftover process, holds it)",
-                    fix=f"export MASTER_PORT to a free port (or unset it to derive one from the job id); "
-                    f"`ss -ltnp 'sport = :{port}'` shows the holder",
-                ) from None
-            raise RendezvousError(f"rank 0 cannot listen on {bind_host or '*'}:{port}: {exc}", fix="check MASTER_PORT") from None
-        # The store takes ownership of the listening socket (and closes it when destroyed).
-        fd = sock.detach()
-        try:
-            store = _tcp_store(addr, port, env.world_size, True, td, fd)
-        except Exception:
-            with contextlib.suppress(OSError):  # the store may have closed it already
-                os.close(fd)
-            raise
-        store.set("cpuddp/job", key)
-    else:
-        store = _connect(env, td)
-        try:
-            store.wait(["cpuddp/job"], td)
-            theirs = store.get("cpuddp/job").decode()
-        except Exception:
-            raise RendezvousError(
-                f"rank {env.rank} reached a store at {addr}:{port} that is not this job's rank 0 "
-                f"(no cpuddp job key within {td.total_seconds():.0f} s)",
-                fix="MASTER_PORT is used by another program or job: export a different MASTER_PORT",
-            ) from None
-        if theirs != key:
-            raise RendezvousError(
-                f"rank {env.rank} reached the store of another job at {addr}:{port} (its job {theirs!r}, ours {key!r})",
-                fix="two jobs share MASTER_PORT: export a different MASTER_PORT for one of them, or unset it",
-            )
-    _store = store
-    _init_group(env, backend, dist.PrefixStore(f"cpuddp/{key}", store), td)
-
-
-def _connect(env: DistEnv, td: datetime.timedelta) -> Any:
-    addr, port = env.master_addr, env.master_port
-    try:
-        _wait_listening(addr, port, td.total_seconds())
-        return _tcp_store(addr, port, env.world_size, False, td, None)
-    except Exception as exc:  # torch raises DistStoreError / RuntimeError
-        raise RendezvousError(
-            f"rank {env.rank} could not reach rank 0's store at {addr}:{port} within "
-            f"{td.total_seconds():.0f} s ({type(exc).__name__}: {_first_line(exc)})",
-            fix="check that rank 0 started and that MASTER_ADDR/MASTER_PORT point at it "
-            f"(launcher: {LAUNCHER_NAMES.get(env.launcher, env.launcher)}); a firewall between nodes also causes this",
-        ) from None
-
-
-def _wait_listening(addr: str, port: int, seconds: float) -> None:
-    """Return once ``addr:port`` accepts a TCP connection; TimeoutError after ``seconds``.
-    (A bare connect and close: the store's server ignores it.)"""
-    deadline = time.monotonic() + seconds
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, left))):
-                return
-        except OSError as exc:
-            if left <= 0.1:
-                raise TimeoutError(f"nothing accepted a connection at {addr}:{port} ({exc.strerror or exc})") from None
-            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
-
-
-def _init_group(env: DistEnv, backend: str, store: Any, td: datetime.timedelta) -> None:
-    import torch.distributed as dist
-
-    with contextlib.suppress(Exception):
-        store.append("cpuddp/arrived", f"{env.rank},")
-    try:
-        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=td)
-    except Exception as exc:
-        missing = _missing_ranks(env, store)
-        where = f"{env.master_addr}:{env.master_port}"
-        if missing:
-            shown = missing if len(missing) <= 16 else f"{missing[:16]} and {len(missing) - 16} more"
-            raise RendezvousError(
-                f"rank {env.rank}: the {backend} group of {env.world_size} did not form within "
-                f"{td.total_seconds():.0f} s: rank(s) {shown} never arrived "
-                f"({type(exc).__name__}: {_first_line(exc)})",
-                fix=f"{_size_var(env)}={env.world_size} but rank(s) {shown} never reached the rendezvous at {where}: "
-                "start them (check the launcher's rank count and their logs), or fix the world size",
-            ) from exc
-        if missing == []:
-            fix = (f"every rank reached the rendezvous at {where}, but they could not connect to each other: "
-                   "set GLOO_SOCKET_IFNAME to the interface the hosts share, and check firewalls between them")
-        else:
-            fix = ("a rank did not start or cannot reach the others; check every rank's log "
-                   "(and GLOO_SOCKET_IFNAME on multi-homed hosts)")
-        raise RendezvousError(
-            f"rank {env.rank}: forming the {backend} group of {env.world_size} failed: "
-            f"{type(exc).__name__}: {_first_line(exc)}",
-            fix=fix,
-        ) from exc
-
-
-def _size_var(env: DistEnv) -> str:
-    var = env.sources.get("world_size", "")
-    return var if var and not var.startswith(("derived", "default")) else "WORLD_SIZE"
-
-
-def _missing_ranks(env: DistEnv, store: Any) -> Optional[list[int]]:
-    """The ranks that never announced themselves in the store (None when unknown)."""
-    try:
-        if not store.check(["cpuddp/arrived"]):
-            return None
-        seen = {int(x) for x in store.get("cpuddp/arrived").decode().split(",") if x.strip().isdigit()}
-    except Exception:
-        return None
-    return [r for r in range(env.world_size) if r not in seen]
-
-
-def _tcp_store(addr: str, port: int, world: int, is_master: bool, td: datetime.timedelta, fd: Optional[int]) -> Any:
-    import torch.distributed as dist
-
-    kwargs: dict[str, Any] = {"wait_for_workers": False}
-    if fd is not None:
-        kwargs["master_listen_fd"] = fd
-    return dist.TCPStore(addr, port, world, is_master, td, **kwargs)
-
-
-def _host_identity() -> str:
-    """What distinguishes hosts: hostname, boot id and network namespace (so two network
-    namespaces on one machine count as two hosts, as they do for gloo)."""
-    parts = [socket.gethostname()]
-    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
-        parts.append(f.read().strip())
-    with contextlib.suppress(OSError):
-        parts.append(str(os.stat("/proc/self/ns/net").st_ino))
-    return "|".join(parts)
-
-
-def _check_hosts(env: DistEnv) -> DistEnv:
-    """Gather every rank's host and confirm (or correct) the node rank and local layout."""
-    if env.world_size == 1:
-        return env
-    import torch.distributed as dist
-
-    mine = (_host_identity(), env.local_rank, env.local_world_size)
-    everyone: list[Any] = [None] * env.world_size
-    dist.all_gather_object(everyone, mine)
-    order: list[str] = []
-    for host, _, _ in everyone:
-        if host not in order:
-            order.append(host)
-    node_rank = order.index(mine[0])
-    here = sum(1 for host, _, _ in everyone if host == mine[0])
-    if here != env.local_world_size and env.is_main:
-        log.warning(
-            "cpuddp: the launcher says %d rank(s) per node (%s), but %d rank(s) share rank 0's host",
-            env.local_world_size, env.sources.get("local_world_size"), here,
-        )
-    changes: dict[str, Any] = {}
-    if env.sources.get("node_rank", "").startswith("derived") and node_rank != env.node_rank:
-        log.info("cpuddp: node rank %d (from the hosts), not %d (from block placement)", node_rank, env.node_rank)
-        changes["node_rank"] = node_rank
-    if len(order) != env.num_nodes and env.sources.get("num_nodes", "").startswith("derived"):
-        changes["num_nodes"] = len(order)
-    if changes:
-        sources = dict(env.sources)
-        sources.update({k: "derived: hosts gathered at init" for k in changes})
-        env = env.replace(sources=sources, **changes)
-    return env
 
 
 def _register_atexit() -> None:

@@ -15,8 +15,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
-from typing import Iterator
+from pathlib import Path
+from typing import Iterator, Optional
 
 import pytest
 
@@ -51,8 +53,9 @@ def delete_namespaces(namespaces: list[str]) -> None:
 
 @contextlib.contextmanager
 def veth_pair(prefix: str, addrs: tuple[str, str], *, tools: tuple[str, ...] = ("ip",)) -> Iterator[NetnsPair]:
-    """Namespaces ``{prefix}-{token}-a/b`` with ``addrs[0]/24`` and ``addrs[1]/24`` on a veth
-    pair (and ``lo`` up in each); ``prefix`` at most 8 characters (interface names are <= 15)."""
+    """Namespaces ``{prefix}-{token}-a/b`` with ``addrs[0]`` and ``addrs[1]`` (/24 for IPv4,
+    /64 for IPv6) on a veth pair (and ``lo`` up in each); ``prefix`` at most 8 characters
+    (interface names are <= 15)."""
     if not sys.platform.startswith("linux"):
         pytest.skip("network namespaces are Linux-only")
     if os.geteuid() != 0:
@@ -75,9 +78,77 @@ def veth_pair(prefix: str, addrs: tuple[str, str], *, tools: tuple[str, ...] = (
         ip("link", "add", interfaces[0], "netns", namespaces[0], "type", "veth",
            "peer", "name", interfaces[1], "netns", namespaces[1])
         for ns, ifname, addr in zip(namespaces, interfaces, addrs):
-            ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
+            if ":" in addr:  # IPv6: no duplicate-address detection, so the address works at once
+                ip("-n", ns, "addr", "add", f"{addr}/64", "dev", ifname, "nodad")
+            else:
+                ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
             ip("-n", ns, "link", "set", ifname, "up")
             ip("-n", ns, "link", "set", "lo", "up")
         yield NetnsPair(namespaces, interfaces, addrs)
     finally:
         delete_namespaces(created)
+
+
+@contextlib.contextmanager
+def hosts_file(namespace: str, text: str) -> Iterator[None]:
+    """Give ``namespace`` its own /etc/hosts: ``ip netns exec`` bind-mounts
+    /etc/netns/NAME/hosts over /etc/hosts for the commands it runs."""
+    folder = os.path.join("/etc/netns", namespace)
+    os.makedirs(folder, exist_ok=True)
+    try:
+        with open(os.path.join(folder, "hosts"), "w") as f:
+            f.write(text)
+        yield
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@dataclass
+class RankRun:
+    returncode: Optional[int]  # None: killed after the timeout
+    seconds: float  # until it exited (or was killed)
+    log: str
+
+
+def run_commands(commands: list[list[str]], envs: list[dict[str, str]], logdir: Path, timeout: float) -> list[RankRun]:
+    """Start one command per namespace, wait at most ``timeout`` s in all, kill leftovers."""
+    procs, logs = [], []
+    start = time.monotonic()
+    ended: dict[int, float] = {}
+    codes: dict[int, Optional[int]] = {}
+    try:
+        for i, (cmd, env) in enumerate(zip(commands, envs)):
+            log = open(logdir / f"host{i}.log", "w")
+            logs.append(log)
+            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = start + timeout
+        while len(ended) < len(procs) and time.monotonic() < deadline:
+            for i, p in enumerate(procs):
+                if i not in ended and p.poll() is not None:
+                    ended[i], codes[i] = time.monotonic() - start, p.returncode
+            time.sleep(0.2)
+    finally:
+        for i, p in enumerate(procs):
+            if i in ended:
+                continue
+            ended[i], codes[i] = time.monotonic() - start, None
+            try:
+                os.killpg(p.pid, signal.SIGKILL)  # the session this test started for it
+            except ProcessLookupError:
+                pass
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        for log in logs:
+            log.close()
+    return [
+        RankRun(codes.get(i), ended.get(i, 0.0), (logdir / f"host{i}.log").read_text(errors="replace"))
+        for i in range(len(procs))
+    ]
+
+
+def describe(runs: list[RankRun]) -> str:
+    return "\n".join(
+        f"--- host {i} (exit {r.returncode} after {r.seconds:.1f} s) ---\n{r.log[-3000:]}" for i, r in enumerate(runs)
+    )

@@ -55,13 +55,14 @@ def test_timeout_from_environment_and_bad_values():
         _timeout(-1, {})
 
 
-def test_user_value_that_must_change_is_logged(caplog):
+def test_user_value_that_must_change_is_logged_and_restored_at_shutdown(caplog):
     environ = {"LOCAL_WORLD_SIZE": "7"}
     with caplog.at_level("WARNING", logger="cpuddp"):
         cpuddp.init_distributed(environ=environ, pin=False)
+        assert environ["LOCAL_WORLD_SIZE"] == "1"
         cpuddp.shutdown()
-    assert environ["LOCAL_WORLD_SIZE"] == "1"
     assert any("LOCAL_WORLD_SIZE was '7'" in r.getMessage() for r in caplog.records)
+    assert environ == {"LOCAL_WORLD_SIZE": "7"}  # shutdown puts back what init exported
 
 
 def test_port_in_use_on_rank0_fails_at_once():

@@ -15,17 +15,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Iterator
 
 import pytest
 
-from netns_util import NetnsPair, veth_pair
+from netns_util import NetnsPair, describe as _describe, run_commands as _run_pair, veth_pair
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow]
 
@@ -98,51 +95,6 @@ def _base_env(init_timeout: float) -> dict[str, str]:
     return env
 
 
-@dataclass
-class RankRun:
-    returncode: Optional[int]  # None: killed after the timeout
-    seconds: float  # until it exited (or was killed)
-    log: str
-
-
-def _run_pair(commands: list[list[str]], envs: list[dict[str, str]], logdir: Path, timeout: float) -> list[RankRun]:
-    """Start one command per namespace, wait at most ``timeout`` s in all, kill leftovers."""
-    procs, logs = [], []
-    start = time.monotonic()
-    ended: dict[int, float] = {}
-    codes: dict[int, Optional[int]] = {}
-    try:
-        for i, (cmd, env) in enumerate(zip(commands, envs)):
-            log = open(logdir / f"host{i}.log", "w")
-            logs.append(log)
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = start + timeout
-        while len(ended) < len(procs) and time.monotonic() < deadline:
-            for i, p in enumerate(procs):
-                if i not in ended and p.poll() is not None:
-                    ended[i], codes[i] = time.monotonic() - start, p.returncode
-            time.sleep(0.2)
-    finally:
-        for i, p in enumerate(procs):
-            if i in ended:
-                continue
-            ended[i], codes[i] = time.monotonic() - start, None
-            try:
-                os.killpg(p.pid, signal.SIGKILL)  # the session this test started for it
-            except ProcessLookupError:
-                pass
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        for log in logs:
-            log.close()
-    return [
-        RankRun(codes.get(i), ended.get(i, 0.0), (logdir / f"host{i}.log").read_text(errors="replace"))
-        for i in range(len(procs))
-    ]
-
-
 def _commands(style: str, pair: NetnsPair, script: Path, mode: str, outdir: Path, init_timeout: float):
     commands, envs = [], []
     for rank, ns in enumerate(pair.namespaces):
@@ -168,12 +120,6 @@ def _results(outdir: Path) -> dict[int, dict]:
         data = json.loads(path.read_text())
         out[data["rank"]] = data
     return out
-
-
-def _describe(runs: list[RankRun]) -> str:
-    return "\n".join(
-        f"--- host {i} (exit {r.returncode} after {r.seconds:.1f} s) ---\n{r.log[-3000:]}" for i, r in enumerate(runs)
-    )
 
 
 @pytest.mark.timeout(PASS_TIMEOUT + 60)
