@@ -65,9 +65,9 @@ from typing import Any, Iterator, Mapping, MutableMapping, Optional, Union
 
 from . import hosts
 from .env import DistEnv
-from .errors import BackendError, LauncherEnvError, RendezvousError
+from .errors import BackendError, LauncherEnvError, RendezvousError, first_line
 from .launchers import detect
-from .rendezvous import first_line, local_address, mpi_master_addr, open_store
+from .rendezvous import local_address, mpi_master_addr, open_store
 
 __all__ = ["init_distributed", "shutdown", "get_env", "session", "DEFAULT_TIMEOUT", "local_address"]
 
@@ -266,7 +266,11 @@ def _gather_layout(env: DistEnv, store: Any, name: str,
     if store is None:
         return env, None
     mine = hosts.HostRecord.here(env.rank, env.local_rank, env.local_world_size)
-    records = hosts.gather_hosts(store, name, mine, env.world_size, td)
+    where = f"{env.master_addr}:{env.master_port}"
+    records = hosts.gather_hosts(
+        store, name, mine, env.world_size, td,
+        missing_fix=lambda shown: f"{_size_var(env)}={env.world_size} but rank(s) {shown} never reached the "
+        f"rendezvous at {where}: start them (check the launcher's rank count and their logs), or fix the world size")
     lay = hosts.layout(records, env.rank)
     return _apply_layout(env, lay), lay.local_cpus
 
@@ -309,6 +313,11 @@ def _agree_backend(requested: str, env: DistEnv, store: Any, name: str, td: date
     if env.is_main:
         log.info("cpuddp: backend %s (%s)", choice.name, choice.reason)
     return choice
+
+
+def _size_var(env: DistEnv) -> str:
+    var = env.sources.get("world_size", "")
+    return var if var and not var.startswith(("derived", "default")) else "WORLD_SIZE"
 
 
 def _form_group(env: DistEnv, backend: str, store: Any, td: datetime.timedelta) -> None:

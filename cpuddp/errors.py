@@ -17,7 +17,14 @@ __all__ = [
     "RendezvousError",
     "PrepareError",
     "RankFailedError",
+    "first_line",
 ]
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's text (what error messages quote)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 class CpuddpError(Exception):

@@ -23,7 +23,7 @@ import json
 import os
 import socket
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from .errors import RendezvousError
 
@@ -42,13 +42,16 @@ __all__ = [
 _ERROR = "!"
 
 
-def host_identity() -> str:
-    """What distinguishes hosts: hostname, boot id and network namespace."""
+def host_identity(namespaces: tuple[str, ...] = ("net",)) -> str:
+    """What distinguishes hosts: hostname, boot id and the given Linux namespaces (the
+    network namespace by default; the watchdog adds "pid": two processes with the same
+    identity then see each other's PIDs)."""
     parts = [socket.gethostname()]
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
         parts.append(f.read().strip())
-    with contextlib.suppress(OSError):
-        parts.append(str(os.stat("/proc/self/ns/net").st_ino))
+    for ns in namespaces:
+        with contextlib.suppress(OSError):
+            parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
     return "|".join(parts)
 
 
@@ -155,10 +158,12 @@ def publish_error(store: Any, name: str, rank: int, error: BaseException) -> Non
 
 
 def exchange(store: Any, name: str, rank: int, world_size: int, value: str,
-             timeout: datetime.timedelta, *, what: str = "init") -> list[str]:
+             timeout: datetime.timedelta, *, what: str = "init",
+             missing_fix: Optional[Callable[[str], str]] = None) -> list[str]:
     """Publish ``value`` as this rank's part of exchange ``name``; return every rank's value
     in rank order.  Raises :class:`RendezvousError` naming the ranks that never published
-    within ``timeout``, or the first rank that published an error instead."""
+    within ``timeout`` (``missing_fix(shown_ranks)`` words the fix), or the first rank that
+    published an error instead."""
     store.set(_key(name, rank), value)
     keys = [_key(name, r) for r in range(world_size)]
     try:
@@ -169,8 +174,8 @@ def exchange(store: Any, name: str, rank: int, world_size: int, value: str,
         raise RendezvousError(
             f"rank {rank}: rank(s) {shown} of {world_size} never reached the {what} exchange "
             f"within {timeout.total_seconds():.0f} s",
-            fix="start every rank (check the launcher's rank count and the missing ranks' logs), "
-            "or fix the world size",
+            fix=missing_fix(str(shown)) if missing_fix else
+            f"start rank(s) {shown} (check the launcher's rank count and their logs), or fix the world size",
         ) from None
     values = [v.decode() if isinstance(v, bytes) else str(v) for v in _get_all(store, keys)]
     for r, v in enumerate(values):
@@ -201,7 +206,8 @@ def _missing(store: Any, keys: Sequence[str]) -> list[int]:
 
 
 def gather_hosts(store: Any, name: str, mine: HostRecord, world_size: int,
-                 timeout: datetime.timedelta) -> list[HostRecord]:
+                 timeout: datetime.timedelta, *, missing_fix: Optional[Callable[[str], str]] = None) -> list[HostRecord]:
     """Every rank's :class:`HostRecord`, in rank order (see :func:`exchange`)."""
-    values = exchange(store, name, mine.rank, world_size, mine.to_json(), timeout, what="host")
+    values = exchange(store, name, mine.rank, world_size, mine.to_json(), timeout, what="host",
+                      missing_fix=missing_fix)
     return [HostRecord.from_json(v) for v in values]

@@ -25,10 +25,10 @@ import time
 from typing import Any, NamedTuple, Optional
 
 from .env import DistEnv
-from .errors import LauncherEnvError, RendezvousError
+from .errors import LauncherEnvError, RendezvousError, first_line
 from .launchers import LAUNCHER_NAMES, is_loopback
 
-__all__ = ["Rendezvous", "open_store", "local_address", "mpi_master_addr", "job_key", "first_line"]
+__all__ = ["Rendezvous", "open_store", "local_address", "mpi_master_addr", "job_key"]
 
 
 class Rendezvous(NamedTuple):
@@ -38,12 +38,6 @@ class Rendezvous(NamedTuple):
 
     store: Any
     keep: Any
-
-
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's text (what error messages quote)."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def open_store(env: DistEnv, td: datetime.timedelta, environ: Any) -> Rendezvous:

@@ -55,6 +55,9 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from .errors import first_line
+from .hosts import host_identity
+
 __all__ = ["start", "stop", "running", "diagnose", "INTERVAL", "STALE", "OP_TIMEOUT"]
 
 log = logging.getLogger("cpuddp.watchdog")
@@ -102,7 +105,7 @@ def start(env: Any, store: Any, *, interval: float = INTERVAL) -> None:
             dog = _Watchdog(env, store, interval)
             dog.begin()
         except Exception as exc:  # the watchdog is an aid: it must never stop a job
-            log.warning("cpuddp: watchdog not started (%s: %s)", type(exc).__name__, _first_line(exc))
+            log.warning("cpuddp: watchdog not started (%s: %s)", type(exc).__name__, first_line(exc))
             return
         _dog = dog
 
@@ -129,23 +132,6 @@ def diagnose(comm_failure: bool = True) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- internals
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
-
-
-def _identity() -> str:
-    """Two processes with the same identity can see each other's PIDs."""
-    parts = [socket.gethostname()]
-    with contextlib.suppress(OSError):
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            parts.append(f.read().strip())
-    for ns in ("net", "pid"):
-        with contextlib.suppress(OSError):
-            parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
-    return "|".join(parts)
 
 
 def _pid_gone(pid: int) -> bool:
@@ -181,7 +167,7 @@ def _looks_like_comm_failure(exc_type: type, exc: Optional[BaseException]) -> bo
 
 
 def _describe(exc_type: type, exc: Optional[BaseException]) -> str:
-    line = f"{exc_type.__name__}: {_first_line(exc)}" if exc is not None else exc_type.__name__
+    line = f"{exc_type.__name__}: {first_line(exc)}" if exc is not None else exc_type.__name__
     line = " ".join(line.split())  # one line, no tabs
     return line if len(line) <= 200 else line[:197] + "..."
 
@@ -200,7 +186,7 @@ class _Watchdog:
         self.client = self._client(base)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self.prefix = f"cpuddp/watchdog/{attempt}/"
-        self.identity = _identity()
+        self.identity = host_identity(("net", "pid"))
         self.stopping = threading.Event()
         self.store_lost: Optional[str] = None
         self.thread: Optional[threading.Thread] = None
@@ -284,7 +270,7 @@ class _Watchdog:
                     self.known = self._info()
             except Exception as exc:
                 if not self.stopping.is_set():
-                    self.store_lost = f"{self.host}:{self.port} ({type(exc).__name__}: {_first_line(exc)})"
+                    self.store_lost = f"{self.host}:{self.port} ({type(exc).__name__}: {first_line(exc)})"
                     log.warning("cpuddp: the rendezvous store at %s:%d stopped answering; heartbeats stopped",
                                 self.host, self.port)
                 return
@@ -435,7 +421,7 @@ class _Watchdog:
         except Exception as exc:
             # The store died under us: a connect can still succeed while rank 0's sockets close.
             if self.store_lost is None:
-                self.store_lost = f"{self.host}:{self.port} ({type(exc).__name__}: {_first_line(exc)})"
+                self.store_lost = f"{self.host}:{self.port} ({type(exc).__name__}: {first_line(exc)})"
             self.stopping.set()
             return self._store_gone()
 

@@ -1,0 +1,107 @@
+"""cpuddp.hosts: the records ranks exchange at init, the layout they imply, and the exchange
+itself (on a real in-process store), plus what the pinning plan makes of the gathered CPUs."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from cpuddp import affinity, hosts
+from cpuddp.distributed import _agree_backend
+from cpuddp.env import DistEnv
+from cpuddp.errors import BackendError, RendezvousError
+from cpuddp.topology import synthetic_topology
+
+TD = datetime.timedelta(seconds=5)
+
+
+def _rec(rank: int, host: str, cpus: tuple[int, ...]) -> hosts.HostRecord:
+    return hosts.HostRecord(rank, host, cpus)
+
+
+def test_record_round_trips_through_json():
+    rec = hosts.HostRecord(3, "node|boot|42", (0, 2, 4), 1, 2, {"shm": "ok"})
+    assert hosts.HostRecord.from_json(rec.to_json()) == rec
+    assert rec.hostname == "node"
+
+
+def test_layout_round_robin_placement_on_two_hosts():
+    recs = [_rec(0, "a", (0,)), _rec(1, "b", (0,)), _rec(2, "a", (1,)), _rec(3, "b", (1,))]
+    lay = hosts.layout(recs, 3)
+    assert (lay.local_rank, lay.local_world_size, lay.node_rank, lay.num_nodes) == (1, 2, 1, 2)
+    assert lay.nodes == ((0, 2), (1, 3))
+    assert lay.local_cpus == (frozenset({0}), frozenset({1}))
+
+
+def test_pairwise_disjoint():
+    assert hosts.pairwise_disjoint([frozenset({0}), frozenset({1, 2})])
+    assert not hosts.pairwise_disjoint([frozenset({0, 1}), frozenset({1})])
+    assert not hosts.pairwise_disjoint([frozenset(), frozenset({1})])
+
+
+def test_exchange_returns_every_value_in_rank_order():
+    store = dist.HashStore()
+    results = {}
+
+    def rank(r: int) -> None:
+        results[r] = hosts.exchange(store, "x", r, 3, f"v{r}", TD)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {r: ["v0", "v1", "v2"] for r in range(3)}
+
+
+def test_exchange_names_missing_ranks_after_the_timeout():
+    store = dist.HashStore()
+    start = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"rank\(s\) \[1, 2\] of 3 never reached the host exchange"):
+        hosts.exchange(store, "x", 0, 3, "v", datetime.timedelta(seconds=0.5), what="host")
+    assert time.monotonic() - start < 5
+
+
+def test_exchange_raises_at_once_on_a_peer_error():
+    store = dist.HashStore()
+    hosts.publish_error(store, "x", 1, ValueError("bad thing\nFix: do this"))
+    with pytest.raises(RendezvousError, match=r"rank 1 failed during init: ValueError: Fix: do this"):
+        hosts.exchange(store, "x", 0, 2, "v", TD)
+
+
+def test_plan_stays_inside_disjoint_launcher_sets():
+    topo = synthetic_topology(1, 8, 1, allowed=[4, 5, 6, 7])
+    env = DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, launcher="env")
+    plan = affinity.plan_for(env, environ={}, topology=topo,
+                             local_cpus=[frozenset({0, 1, 2, 3}), frozenset({4, 5, 6, 7})])
+    assert plan.cpus == (4, 5, 6, 7) and plan.num_threads == 4
+    assert "disjoint" in plan.reason
+    # the same ranks sharing one set split it
+    shared = synthetic_topology(1, 8, 1)
+    plan = affinity.plan_for(env, environ={}, topology=shared, local_cpus=[frozenset(range(8))] * 2)
+    assert plan.cpus == (4, 5, 6, 7)
+
+
+def test_ranks_whose_auto_choices_differ_all_take_gloo(monkeypatch):
+    from cpuddp import backends
+
+    store = dist.HashStore()
+    store.set("b/1", "gloo")  # rank 1 chose gloo
+    real = backends.resolve_backend
+
+    def pick(requested, env, **kw):
+        if requested == "auto":
+            return backends.BackendChoice("shm", "auto: test", None, "auto")
+        return real(requested, env, **kw)
+
+    monkeypatch.setattr(backends, "resolve_backend", pick)
+    env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
+    choice = _agree_backend("auto", env, store, "b", TD, {})
+    assert choice.name == "gloo" and "rank 0: shm, rank 1: gloo" in choice.reason
+    store.set("c/1", "gloo")
+    with pytest.raises(BackendError, match="different backends"):
+        _agree_backend("shm", env, store, "c", TD, {})
