@@ -78,7 +78,7 @@ def trainer_worker(args: argparse.Namespace) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, model_name = finetune.build_model("hf", seed=args.seed)
+    model, model_name = finetune.build_model("hf", "bench", seed=args.seed)
     train = finetune.build_dataset(args.num_samples, args.seq_len, seed=args.seed)
 
     class Clock(TrainerCallback):
@@ -188,7 +188,7 @@ def command(runner: str, precision: str, ranks: int, opts: argparse.Namespace, r
               "--num-samples", str(opts.num_samples), "--threads", str(threads), "--result-json", result_json]
     if runner == "cpuddp":
         cmd = launch + [str(EXAMPLE), *common, "--warmup-steps", str(opts.warmup), "--eval-samples", "0",
-                        "--model", "hf", "--log-every", str(max(1, min(10, opts.steps)))]
+                        "--model", "hf", "--size", "bench", "--log-every", str(max(1, min(10, opts.steps)))]
         if precision == "bf16":
             cmd.append("--bf16")
         return cmd + shlex.split(opts.cpuddp_args)

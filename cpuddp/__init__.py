@@ -39,6 +39,8 @@ _EXPORTS = {
     "barrier": "loop",
     "save_state_dict": "loop",
     "load_state_dict": "loop",
+    "Progress": "progress",
+    "ProgressSummary": "progress",
     # backends
     "available_backends": "backends",
     "backend_status": "backends",

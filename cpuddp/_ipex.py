@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["IpexProbe", "check_versions", "probe", "load"]
+__all__ = ["IpexProbe", "check_versions", "probe", "load", "bf16_weights"]
 
 _log = logging.getLogger("cpuddp.prepare")
 
@@ -90,3 +90,18 @@ def load() -> Any:
 
     _log.debug("imported %s %s", MODULE_NAME, p.ipex_version)
     return ipex
+
+
+def bf16_weights(ipex: Any) -> tuple[bool, str]:
+    """Whether ``ipex.optimize(dtype=torch.bfloat16)`` can prepack bf16 weights on this CPU.
+
+    IPEX asserts oneDNN's bf16 support (AVX-NE-CONVERT, or AVX512 BW+VL+DQ) only *after* it
+    has cast the model and the optimizer to bf16, so a failed assert would leave them half
+    converted: ask first.  A module without the probe is trusted.
+    """
+    probe_fn = getattr(getattr(ipex, "_C", None), "onednn_has_bf16_support", None)
+    if probe_fn is None:
+        return True, "IPEX has no bf16 probe; trusting the CPU flags"
+    if probe_fn():
+        return True, "IPEX's oneDNN has bf16 kernels on this CPU"
+    return False, "IPEX's oneDNN has no bf16 kernels on this CPU (needs AVX-NE-CONVERT or AVX512 BW+VL+DQ)"

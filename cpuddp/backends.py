@@ -19,8 +19,12 @@ and ``torch-ccl`` (older builds); the module is ``oneccl_bindings_for_pytorch`` 
 on and ``torch_ccl`` before.  A binding matches when its major.minor is torch's, compared as
 versions (``packaging.version``), plus the exact pairs Intel documents (1.12.0 is for torch
 1.12.0 only, 1.12.100 for torch 1.12.1; likewise 2.0.100 and 2.3.100).  A binding built from
-source carries its branch's version, not torch's: set ``CPUDDP_CCL_SKIP_VERSION_CHECK=1``
-to use one built against this torch.
+source carries its branch's version, not torch's (``2.8.0+xpu`` built against torch 2.13):
+for a binding whose version names another torch, a child process imports it
+(:mod:`cpuddp.ccl_probe`, cached per build and torch), and the binding is used when that
+import succeeds -- "built for this torch (import probe passed)" -- and is never imported in
+this interpreter when it fails.  ``CPUDDP_CCL_SKIP_VERSION_CHECK=1`` skips both checks and
+trusts the binding.
 
 Loading (:func:`load_backend`) imports torch first, then the backend's module, and checks
 that the module registered the backend name with ``torch.distributed``.
@@ -31,17 +35,28 @@ Configuring (:func:`backend_env`, pure) returns the variables to export before
 ================================  ==========================================================
 ``CCL_LOCAL_RANK``/``_SIZE``      the launcher's local rank and size (ccl)
 ``CCL_PROCESS_LAUNCHER``          ``none`` unless launched by Intel MPI/MPICH Hydra (ccl)
-``CCL_ATL_TRANSPORT``             ``mpi`` under Hydra, ``ofi`` otherwise (ccl)
+``CCL_ATL_TRANSPORT``             ``mpi`` under Intel MPI's Hydra with Intel MPI's environment
+                                  (``I_MPI_ROOT``/``ONEAPI_ROOT`` set, or the launching Intel
+                                  MPI found), ``ofi`` otherwise (ccl)
+``I_MPI_ROOT``                    the launching Intel MPI, when ``mpi`` was chosen from it (ccl)
 ``CCL_ATL_SHM``                   ``1`` for ofi on a single node (ccl)
+``FI_PROVIDER_PATH``              libfabric's providers beside the installed oneCCL/Intel MPI
+                                  (ccl)
 ``CCL_WORKER_COUNT``              ``1`` (ccl)
-``CCL_WORKER_AFFINITY``           the pinning plan's ``ccl_worker_cpus`` (ccl)
+``CCL_WORKER_AFFINITY``           the pinning plan's ``ccl_worker_cpus``; none reserved: the
+                                  rank's own last CPU(s) (ccl)
 ``GLOO_SOCKET_IFNAME``            ``lo`` for a single-node job on loopback; otherwise the
                                   interface that routes to ``MASTER_ADDR`` (any backend:
                                   gloo groups are made beside ccl ones for CPU objects)
 ================================  ==========================================================
 
+A first collective that fails is explained by :func:`explain_collective_failure` (the
+transport, its variables, the fix).
+
 Environment variables read: the ones above (to leave the user's alone),
-``CPUDDP_CCL_SKIP_VERSION_CHECK``.  Written: none (:func:`cpuddp.init_distributed` exports).
+``CPUDDP_CCL_SKIP_VERSION_CHECK``, ``CCL_ROOT``, ``ONEAPI_ROOT``, Intel MPI's ``I_MPI_HYDRA_*``
+(to tell its Hydra from MPICH's), and :mod:`cpuddp.ccl_probe`'s.  Written: none
+(:func:`cpuddp.init_distributed` exports).
 """
 
 from __future__ import annotations
@@ -83,6 +98,10 @@ __all__ = [
     "load_backend",
     "backend_env",
     "ccl_env",
+    "ccl_settings",
+    "CclPaths",
+    "find_ccl_paths",
+    "explain_collective_failure",
     "gloo_env",
     "register_backend",
     "unregister_backend",
@@ -116,6 +135,8 @@ _CPU_INDEX = "https://pytorch-extension.intel.com/release-whl/stable/cpu/us/"
 
 MetadataLookup = Callable[[str], Optional[str]]
 ModuleFinder = Callable[[str], bool]
+#: (module, torch version) -> a verdict with ``ok``, ``summary()`` (see cpuddp.ccl_probe).
+ImportProbe = Callable[[str, str], Any]
 
 
 # --------------------------------------------------------------------------- data
@@ -133,6 +154,8 @@ class BackendStatus:
     devices: Tuple[str, ...] = ("cpu",)
     #: The pip distribution whose version is ``version`` (None for torch's own backends).
     distribution: Optional[str] = None
+    #: For ccl: what the verdict rests on -- "metadata", "import probe", or the skip variable.
+    evidence: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -157,12 +180,16 @@ class Lookups:
 
     ``metadata(dist)`` returns an installed distribution's version or None;
     ``find_module(name)`` says whether a top-level module can be found (without importing
-    it); ``environ`` is read for ``CPUDDP_CCL_SKIP_VERSION_CHECK``.
+    it); ``environ`` is read for ``CPUDDP_CCL_SKIP_VERSION_CHECK``;
+    ``import_probe(module, torch_version)`` says whether ``import torch, <module>`` works,
+    without importing it here (default: :func:`cpuddp.ccl_probe.check_import`, a cached
+    child process).
     """
 
     metadata: MetadataLookup
     find_module: ModuleFinder
     environ: Mapping[str, str] = field(default_factory=dict)
+    import_probe: Optional[ImportProbe] = None
 
 
 ProbeResult = Union[bool, Tuple[bool, str], BackendStatus]
@@ -243,11 +270,13 @@ def _canon(dist: str) -> str:
     return re.sub(r"[-_.]+", "-", dist).lower()
 
 
-def _lookups(metadata: Any = None, find_module: Any = None, environ: Optional[Mapping[str, str]] = None) -> Lookups:
+def _lookups(metadata: Any = None, find_module: Any = None, environ: Optional[Mapping[str, str]] = None,
+             import_probe: Optional[ImportProbe] = None) -> Lookups:
     return Lookups(
         metadata=_as_metadata(metadata),
         find_module=_as_finder(find_module),
         environ=os.environ if environ is None else environ,
+        import_probe=import_probe,
     )
 
 
@@ -343,31 +372,54 @@ def _ccl_probe(lk: Lookups) -> BackendStatus:
     problems = []
     for dist, version in found:
         module = ccl_module_for(version)
-        if skip:
-            ok, built_for = True, f"version check skipped by {SKIP_VERSION_CHECK_VAR}=1"
-        elif torch_version is None:
-            problems.append((dist, version, module, f"{dist} {version} is installed and torch's version is unknown"))
-            continue
-        else:
-            ok, built_for = ccl_pairing(version, torch_version)
+        ok, what, evidence = _ccl_verdict(lk, dist, version, module, torch_version, skip)
         if not ok:
-            problems.append((
-                dist, version, module,
-                f"{dist} {version} is built for {built_for}, not torch {torch_version} "
-                f"(not imported: a wheel built for another torch can abort the interpreter)",
-            ))
+            problems.append((dist, version, module, what, evidence))
             continue
+        return BackendStatus("ccl", True, what, version=version, module=module, devices=devices, distribution=dist,
+                             evidence=evidence)
+    dist, version, module, _, evidence = problems[0]
+    text = "; ".join(p[3] for p in problems)
+    return BackendStatus("ccl", False, text, version=version, module=module, devices=devices, distribution=dist,
+                         evidence=evidence)
+
+
+def _ccl_verdict(lk: Lookups, dist: str, version: str, module: str, torch_version: Optional[str],
+                 skip: bool) -> Tuple[bool, str, Optional[str]]:
+    """One installed binding: ``(usable, why, evidence)``, evidence being what decided:
+    ``"metadata"``, ``"import probe"``, the skip variable, or None (a broken install).
+
+    Its version decides when it names this torch; otherwise a child process that imports it
+    does (:mod:`cpuddp.ccl_probe`), so a binding built for another torch is never imported
+    in this interpreter."""
+    if skip:
         if not lk.find_module(module):
-            problems.append((dist, version, module, f"{dist} {version} is installed without its module {module} (a broken install)"))
-            continue
-        what = (
-            f"{dist} {version} ({built_for}), torch {torch_version}" if skip
-            else f"{dist} {version} matches torch {torch_version}"
-        )
-        return BackendStatus("ccl", True, what, version=version, module=module, devices=devices, distribution=dist)
-    dist, version, module, _ = problems[0]
-    text = "; ".join(w for _, _, _, w in problems)
-    return BackendStatus("ccl", False, text, version=version, module=module, devices=devices, distribution=dist)
+            return False, f"{dist} {version} is installed without its module {module} (a broken install)", None
+        return (True, f"{dist} {version} (version check skipped by {SKIP_VERSION_CHECK_VAR}=1), torch {torch_version}",
+                SKIP_VERSION_CHECK_VAR)
+    if torch_version is None:
+        return False, f"{dist} {version} is installed and torch's version is unknown", "metadata"
+    ok, built_for = ccl_pairing(version, torch_version)
+    if not lk.find_module(module):
+        named = "" if ok else f" is built for {built_for}, not torch {torch_version}, and"
+        return False, f"{dist} {version}{named} is installed without its module {module} (a broken install)", None
+    if ok:
+        return True, f"{dist} {version} matches torch {torch_version}", "metadata"
+    probe = lk.import_probe
+    if probe is None:
+        from .ccl_probe import check_import
+
+        def probe(m: str, t: str) -> Any:
+            return check_import(m, t, environ=lk.environ)
+
+    verdict = probe(module, torch_version)
+    if verdict.ok:
+        return (True, f"{dist} {version} is built for this torch (import probe passed; its version names "
+                f"{built_for}, torch is {torch_version})", "import probe")
+    where = f"; verdict cached in {verdict.cache_file}" if getattr(verdict, "cache_file", None) else ""
+    return (False, f"{dist} {version} is built for {built_for}, not torch {torch_version}, and importing it in a "
+            f"child process failed -- {verdict.summary()} (not imported here: a binding built for another torch "
+            f"can abort the interpreter{where})", "import probe")
 
 
 def _torch_probe(check: str, what: str) -> Callable[[Lookups], BackendStatus]:
@@ -458,6 +510,12 @@ def unregister_backend(name: str) -> None:
     BACKENDS.pop(name.strip().lower(), None)
 
 
+def _shm_probe(lk: Lookups) -> Tuple[bool, str]:
+    from .shm_check import probe
+
+    return probe(lk)
+
+
 register_backend("ccl", devices=("cpu", "xpu"), distribution="oneccl_bind_pt", probe=_ccl_probe,
                  description="Intel oneCCL through its PyTorch bindings (oneccl_bind_pt)")
 register_backend("gloo", devices=("cpu", "cuda"), probe=_torch_probe("is_gloo_available", "torch was built without gloo"),
@@ -468,19 +526,22 @@ register_backend("mpi", devices=("cpu", "cuda"),
 register_backend("nccl", devices=("cuda",), probe=_nccl_probe, description="NVIDIA NCCL, for models on CUDA")
 register_backend("accl", module="torch_accl", devices=("cuda",), distribution="torch_accl",
                  description="Alibaba ACCL plug-in (import torch_accl, backend 'accl')")
+register_backend("shm", module="cpuddp.shm", devices=("cpu",), probe=_shm_probe,
+                 description="cpuddp's shared-memory allreduce within a node, gloo for the rest (cpuddp.shm)")
 
 #: The launcher families that start ranks as MPI processes (the mpi backend needs one).
 _MPI_LAUNCHERS = ("hydra", "openmpi", "pmix", "mvapich", "slurm")
 
 
 def backend_status(name: str, *, metadata: Any = None, find_module: Any = None,
-                   environ: Optional[Mapping[str, str]] = None) -> BackendStatus:
+                   environ: Optional[Mapping[str, str]] = None,
+                   import_probe: Optional[ImportProbe] = None) -> BackendStatus:
     """The :class:`BackendStatus` of one registered backend (see :func:`available_backends`)."""
     key = name.strip().lower()
     spec = BACKENDS.get(key)
     if spec is None:
         raise _unknown(name)
-    return _status(spec, _lookups(metadata, find_module, environ))
+    return _status(spec, _lookups(metadata, find_module, environ, import_probe))
 
 
 def _status(spec: BackendSpec, lk: Lookups) -> BackendStatus:
@@ -492,15 +553,17 @@ def _status(spec: BackendSpec, lk: Lookups) -> BackendStatus:
 
 
 def available_backends(*, metadata: Any = None, find_module: Any = None,
-                       environ: Optional[Mapping[str, str]] = None) -> list[BackendStatus]:
+                       environ: Optional[Mapping[str, str]] = None,
+                       import_probe: Optional[ImportProbe] = None) -> list[BackendStatus]:
     """Every registered backend: available or not, why, version and module.
 
     Cheap: reads package metadata and looks modules up without importing them (torch's own
-    backends import ``torch.distributed``).  ``metadata`` (a mapping dist -> version or a
-    function), ``find_module`` (a function or a set of module names) and ``environ`` replace
-    the real lookups, for tests.
+    backends import ``torch.distributed``; oneCCL bindings whose version names another torch
+    are import-probed in a child process once per build, see :mod:`cpuddp.ccl_probe`).
+    ``metadata`` (a mapping dist -> version or a function), ``find_module`` (a function or a
+    set of module names), ``environ`` and ``import_probe`` replace the real lookups, for tests.
     """
-    lk = _lookups(metadata, find_module, environ)
+    lk = _lookups(metadata, find_module, environ, import_probe)
     return [_status(spec, lk) for spec in BACKENDS.values()]
 
 
@@ -524,8 +587,9 @@ def _ccl_fix(torch_version: Optional[str]) -> str:
         )
     return (
         f"Intel's last oneCCL bindings are for torch {_dotted(_CCL_LAST_RELEASE)}; none exist for torch "
-        f"{torch_version}: build intel/torch-ccl against this torch and export {SKIP_VERSION_CHECK_VAR}=1, "
-        f"or pass backend='gloo'"
+        f"{torch_version}: build intel/torch-ccl against this torch (docs/backends.md; a build that imports "
+        f"cleanly is accepted whatever its version; {SKIP_VERSION_CHECK_VAR}=1 skips every check), or pass "
+        f"backend='gloo'"
     )
 
 
@@ -537,8 +601,12 @@ def resolve_backend(
     find_module: Any = None,
     environ: Optional[Mapping[str, str]] = None,
     device: Optional[str] = None,
+    node_cpus: Optional[int] = None,
 ) -> BackendChoice:
     """Pick the backend for ``requested`` ("auto", "ccl", "gloo", ... any registered name).
+
+    ``node_cpus``: the CPUs this node's ranks may use together (known at init, from the hosts
+    gathered); "auto" takes the shared-memory backend only when they do not outnumber them.
 
     ``device`` ("cpu" by default, or "cuda") steers "auto".  Nothing is imported except
     torch itself.  Raises :class:`~cpuddp.errors.BackendError` for an unknown name (listing
@@ -550,7 +618,7 @@ def resolve_backend(
     name = requested.strip().lower()
     lk = _lookups(metadata, find_module, environ)
     if name == "auto":
-        return _auto(env, lk, (device or "cpu").strip().lower())
+        return _auto(env, lk, (device or "cpu").strip().lower(), node_cpus)
     spec = BACKENDS.get(name)
     if spec is None:
         raise _unknown(requested)
@@ -581,17 +649,36 @@ def resolve_backend(
     return BackendChoice(name, f"requested; {st.reason}", st.module, name, st.version, st.distribution, True)
 
 
-def _auto(env: "DistEnv", lk: Lookups, device: str) -> BackendChoice:
+def _auto(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[int] = None) -> BackendChoice:
     if device == "cuda":
         nccl = _status(BACKENDS["nccl"], lk) if "nccl" in BACKENDS else None
         if nccl is not None and nccl.available:
             return BackendChoice("nccl", f"auto: the model is on CUDA and {nccl.reason}", None, "auto")
         why = nccl.reason if nccl is not None else "nccl is not registered"
         return _auto_gloo(lk, f"the model is on CUDA but nccl cannot run ({why})")
+    # A working oneCCL binding wins: installing (or building) it is the user's choice.  Then
+    # the shared-memory backend where ranks share a node, then gloo.
     ccl = _status(BACKENDS["ccl"], lk) if "ccl" in BACKENDS else None
     if ccl is not None and ccl.available:
         return BackendChoice("ccl", f"auto: {ccl.reason}", ccl.module, "auto", ccl.version, ccl.distribution, True)
-    return _auto_gloo(lk, ccl.reason if ccl is not None else "ccl is not registered")
+    why_not = ccl.reason if ccl is not None else "ccl is not registered"
+    shm = _auto_shm(env, lk, node_cpus)
+    if shm is not None and shm.available:
+        return BackendChoice(shm.name, f"auto: {shm.reason} (no ccl: {why_not})", shm.module, "auto")
+    if shm is not None:
+        why_not = f"{why_not}; {shm.name}: {shm.reason}"
+    return _auto_gloo(lk, why_not)
+
+
+def _auto_shm(env: "DistEnv", lk: Lookups, node_cpus: Optional[int]) -> Optional[BackendStatus]:
+    """The shared-memory backend's verdict for this node (None when it is not registered)."""
+    from . import shm_check
+
+    spec = BACKENDS.get(shm_check.NAME)
+    if spec is None:
+        return None
+    ok, reason = shm_check.eligibility(env.local_world_size, lk.environ, node_cpus=node_cpus)
+    return BackendStatus(spec.name, ok, reason, module=spec.module)
 
 
 def _auto_gloo(lk: Lookups, why_not: str) -> BackendChoice:
@@ -663,19 +750,23 @@ def backend_env(
     environ: Mapping[str, str],
     *,
     route_lookup: Optional[RouteLookup] = None,
+    ccl_paths: Optional["CclPaths"] = None,
 ) -> dict[str, str]:
-    """The ``CCL_*`` and ``GLOO_SOCKET_IFNAME`` values to export for ``choice``; pure.
+    """The ``CCL_*``, ``FI_*``, ``I_MPI_ROOT`` and ``GLOO_SOCKET_IFNAME`` values to export
+    for ``choice``; pure, given the lookups.
 
     Only variables absent from ``environ`` are returned (the user's setting wins).
     ``plan`` is the pinning plan (anything with a ``ccl_worker_cpus`` tuple) or None.
     ``route_lookup(master_addr)`` returns the local (interface, source address) that reaches
-    rank 0; the default asks the kernel (:func:`cpuddp.netif.route_to`).
+    rank 0; the default asks the kernel (:func:`cpuddp.netif.route_to`).  ``ccl_paths``
+    says where Intel MPI and libfabric's providers are; the default looks
+    (:func:`find_ccl_paths`).
     """
     name = choice if isinstance(choice, str) else choice.name
     name = name.strip().lower()
     out: dict[str, str] = {}
     if name == "ccl":
-        out.update(ccl_env(env, plan, environ))
+        out.update(ccl_env(env, plan, environ, paths=ccl_paths))
     out.update(gloo_env(env, environ, route_lookup=route_lookup))
     return out
 
@@ -698,27 +789,201 @@ def _worker_count(environ: Mapping[str, str]) -> int:
     return count
 
 
-def ccl_env(env: "DistEnv", plan: Any, environ: Mapping[str, str]) -> dict[str, str]:
-    """oneCCL's settings for this launcher and pinning plan (pure; see the module table)."""
+@dataclass(frozen=True)
+class CclPaths:
+    """What :func:`ccl_env` needs from the filesystem (see :func:`find_ccl_paths`).
+
+    ``impi_root``: the Intel MPI whose Hydra started this process, when that can be told
+    for sure (None otherwise); ``provider_dir``: a directory of libfabric providers
+    (``lib*-fi.so``) beside the installed oneCCL or Intel MPI, or None.
+    """
+
+    impi_root: Optional[str] = None
+    provider_dir: Optional[str] = None
+
+
+#: What oneCCL's MPI transport needs to find Intel MPI ("CCL/MPI uses Intel(R) MPI Library
+#: but neither I_MPI_ROOT nor ONEAPI_ROOT is set" -> "failed to initialize ATL").
+_IMPI_ROOT_VARS = ("I_MPI_ROOT", "ONEAPI_ROOT")
+#: Intel MPI's Hydra exports these to its ranks; MPICH's Hydra does not.
+_IMPI_HYDRA_PREFIXES = ("I_MPI_HYDRA_", "I_MPI_INFO_")
+_FI_PROVIDER_GLOB = "lib*-fi.so"
+
+
+def _intel_hydra(env: "DistEnv", environ: Mapping[str, str]) -> bool:
+    return env.launcher == "hydra" and any(k.startswith(_IMPI_HYDRA_PREFIXES) for k in environ)
+
+
+def ccl_settings(env: "DistEnv", plan: Any, environ: Mapping[str, str], *,
+                 paths: Optional[CclPaths] = None) -> dict[str, Tuple[str, str]]:
+    """Every value :func:`ccl_env` would set, each with why, before the user's settings are
+    taken out (pure, given ``paths``).
+
+    Transport: ``mpi`` only where oneCCL can initialise it -- ranks started by Intel MPI's
+    Hydra, with Intel MPI's environment (``I_MPI_ROOT`` or ``ONEAPI_ROOT``) set or derivable
+    from the Intel MPI that launched them (then ``I_MPI_ROOT`` is set too); ``ofi``
+    everywhere else (torchrun, MPICH, Open MPI, Slurm, ...), with shared memory on one node.
+    """
+    if paths is None:
+        paths = find_ccl_paths(environ)
     hydra = env.launcher == "hydra"
-    want: dict[str, str] = {
-        "CCL_LOCAL_RANK": str(env.local_rank),
-        "CCL_LOCAL_SIZE": str(env.local_world_size),
-        "CCL_WORKER_COUNT": "1",
+    want: dict[str, Tuple[str, str]] = {
+        "CCL_LOCAL_RANK": (str(env.local_rank), "the launcher's local rank"),
+        "CCL_LOCAL_SIZE": (str(env.local_world_size), "ranks on this host"),
+        "CCL_WORKER_COUNT": ("1", "one oneCCL progress thread per rank"),
     }
     if not hydra:
         # oneCCL's default launcher is Hydra's PMI; elsewhere it must not wait for one
         # (Open MPI: "Invalid rank in internal_Group_incl" without these).
-        want["CCL_PROCESS_LAUNCHER"] = "none"
-    want["CCL_ATL_TRANSPORT"] = "mpi" if hydra else "ofi"
-    transport = environ.get("CCL_ATL_TRANSPORT", want["CCL_ATL_TRANSPORT"]).strip().lower()
+        want["CCL_PROCESS_LAUNCHER"] = ("none", f"no Hydra PMI under {env.launcher}")
+    impi_root = next((environ[k] for k in _IMPI_ROOT_VARS if environ.get(k)), None)
+    if _intel_hydra(env, environ) and (impi_root or paths.impi_root):
+        want["CCL_ATL_TRANSPORT"] = ("mpi", "started by Intel MPI's Hydra, with Intel MPI's environment")
+        if not impi_root and paths.impi_root:
+            want["I_MPI_ROOT"] = (paths.impi_root, "the Intel MPI that started this rank (oneCCL's mpi transport needs it)")
+    elif _intel_hydra(env, environ):
+        want["CCL_ATL_TRANSPORT"] = ("ofi", "Intel MPI's Hydra, but no Intel MPI environment (I_MPI_ROOT, ONEAPI_ROOT) "
+                                            "for oneCCL's mpi transport")
+    elif hydra:
+        want["CCL_ATL_TRANSPORT"] = ("ofi", "Hydra of MPICH, not Intel MPI: oneCCL's mpi transport needs Intel MPI")
+    else:
+        want["CCL_ATL_TRANSPORT"] = ("ofi", f"launched by {env.launcher}, not Intel MPI")
+    transport = environ.get("CCL_ATL_TRANSPORT", want["CCL_ATL_TRANSPORT"][0]).strip().lower()
     if transport == "ofi" and env.single_node:
-        want["CCL_ATL_SHM"] = "1"
+        want["CCL_ATL_SHM"] = ("1", "ofi on one node: shared memory between the ranks")
+    if paths.provider_dir:
+        want["FI_PROVIDER_PATH"] = (paths.provider_dir, "libfabric's providers beside the installed oneCCL / Intel MPI")
     count = _worker_count(environ)
     affinity = _worker_affinity(env, plan, count)
     if affinity is not None:
-        want["CCL_WORKER_AFFINITY"] = affinity
-    return {k: v for k, v in want.items() if k not in environ}
+        want["CCL_WORKER_AFFINITY"] = (affinity, "the CPUs the pinning plan reserved for oneCCL's workers")
+    return want
+
+
+def ccl_env(env: "DistEnv", plan: Any, environ: Mapping[str, str], *,
+            paths: Optional[CclPaths] = None) -> dict[str, str]:
+    """oneCCL's settings for this launcher and pinning plan (pure, given ``paths``; see the
+    module table).  Local rank 0 logs every value it sets and why."""
+    want = ccl_settings(env, plan, environ, paths=paths)
+    out = {k: v for k, (v, _) in want.items() if k not in environ}
+    if out and env.local_rank == 0:
+        log.info("cpuddp: oneCCL settings: %s", "; ".join(f"{k}={v} ({want[k][1]})" for k, v in out.items()))
+    return out
+
+
+def find_ccl_paths(environ: Mapping[str, str]) -> CclPaths:
+    """Look for the Intel MPI that started this process and for libfabric's providers.
+
+    ``impi_root``: under Intel MPI's Hydra only -- the prefix of the parent process
+    (``<prefix>/bin/hydra_pmi_proxy``) when that prefix is an Intel MPI (it has
+    ``bin/impi_info`` and ``lib/libmpi.so*``).  ``provider_dir``: the first directory that
+    holds ``lib*-fi.so`` among ``$CCL_ROOT``'s and ``$I_MPI_ROOT``'s usual places, the
+    oneCCL bindings' package (``lib/prov``, ``opt/mpi/libfabric/lib/prov``, ``lib``) and
+    this Python environment's ``lib/prov`` and ``lib`` (where pip's ``oneccl-cpu`` and
+    ``impi-rt`` put them) -- the last only when oneCCL or libfabric is installed there.
+    """
+    return CclPaths(impi_root=_launching_impi(environ), provider_dir=_provider_dir(environ))
+
+
+def _launching_impi(environ: Mapping[str, str]) -> Optional[str]:
+    if not any(k.startswith(_IMPI_HYDRA_PREFIXES) for k in environ):
+        return None
+    try:
+        exe = os.readlink(f"/proc/{os.getppid()}/exe")
+    except OSError:
+        return None
+    if os.path.basename(exe) != "hydra_pmi_proxy":
+        return None
+    prefix = os.path.dirname(os.path.dirname(exe))
+    if os.path.isfile(os.path.join(prefix, "bin", "impi_info")) and _has(os.path.join(prefix, "lib"), "libmpi.so*"):
+        return prefix
+    return None
+
+
+def _has(directory: str, pattern: str) -> bool:
+    import glob
+
+    return bool(glob.glob(os.path.join(glob.escape(directory), pattern)))
+
+
+def _provider_dir(environ: Mapping[str, str]) -> Optional[str]:
+    candidates: list[str] = []
+    ccl_root = environ.get("CCL_ROOT")
+    if ccl_root:
+        candidates += [os.path.join(ccl_root, "lib", "prov"), os.path.join(ccl_root, "opt", "mpi", "libfabric", "lib", "prov"),
+                       os.path.join(ccl_root, "lib")]
+    impi_root = environ.get("I_MPI_ROOT")
+    if impi_root:
+        candidates += [os.path.join(impi_root, "opt", "mpi", "libfabric", "lib", "prov"),
+                       os.path.join(impi_root, "libfabric", "lib", "prov"), os.path.join(impi_root, "lib", "prov")]
+    for module in ("oneccl_bindings_for_pytorch", "torch_ccl"):
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        for location in (spec.submodule_search_locations or ()) if spec is not None else ():
+            candidates += [os.path.join(location, "lib", "prov"),
+                           os.path.join(location, "opt", "mpi", "libfabric", "lib", "prov"), os.path.join(location, "lib")]
+    lib = os.path.join(sys.prefix, "lib")
+    if _has(lib, "libccl.so*") or _has(lib, "libfabric.so*"):
+        candidates += [os.path.join(lib, "prov"), lib]
+    return next((c for c in candidates if _has(c, _FI_PROVIDER_GLOB)), None)
+
+
+# --------------------------------------------------------------------------- a failing first collective
+
+#: oneCCL's messages for a transport that cannot start, and what to do about each.
+_CCL_FAILURES: Tuple[Tuple[str, str], ...] = (
+    ("neither I_MPI_ROOT nor ONEAPI_ROOT",
+     "the mpi transport needs Intel MPI's environment: export CCL_ATL_TRANSPORT=ofi, or source Intel MPI's "
+     "env/vars.sh (sets I_MPI_ROOT) and launch with its mpiexec"),
+    ("providers 0",
+     "libfabric found no provider: export FI_PROVIDER_PATH=<the directory holding lib*-fi.so, beside libccl.so or "
+     "in Intel MPI's opt/mpi/libfabric/lib/prov>"),
+    ("fi_getinfo",
+     "libfabric found no usable provider: export FI_PROVIDER_PATH=<the directory holding lib*-fi.so>, or "
+     "FI_PROVIDER=tcp"),
+    ("Duplicate ranks",
+     "oneCCL took every rank for rank 0: export CCL_PROCESS_LAUNCHER=none with CCL_LOCAL_RANK/CCL_LOCAL_SIZE "
+     "(cpuddp sets them unless you did)"),
+)
+_CCL_VARS = ("CCL_ATL_TRANSPORT", "CCL_ATL_SHM", "CCL_PROCESS_LAUNCHER", "FI_PROVIDER_PATH", "FI_PROVIDER", "I_MPI_ROOT")
+
+
+def explain_collective_failure(backend_name: str, environ: Mapping[str, str], exc: BaseException) -> BackendError:
+    """The :class:`BackendError` for a group whose first collective failed.
+
+    Its last line names the transport, the variables that steer it (as they are in
+    ``environ``) and the fix: a known oneCCL failure gets its own fix, anything else the
+    ways to narrow it down.  ``exc`` is what the collective raised.
+    """
+    name = (backend_name or "").strip().lower()
+    rank = environ.get("RANK", "?")
+    said = " ".join(str(exc).split())
+    if len(said) > 600:
+        said = said[:600] + " ..."
+    msg = f"rank {rank}: the {name} group formed, but its first all_reduce failed: {type(exc).__name__}: {said}"
+    if name != "ccl":
+        ifname = environ.get("GLOO_SOCKET_IFNAME")
+        return BackendError(msg, fix=f"{name} over GLOO_SOCKET_IFNAME={ifname or 'unset'}: check that every rank's log "
+                                     f"shows the same backend, that the hosts reach each other on that interface, "
+                                     f"or pass backend='gloo' to rule {name} out")
+    transport = environ.get("CCL_ATL_TRANSPORT", "ofi (oneCCL's default)")
+    shown = ", ".join(f"{k}={environ[k]}" if environ.get(k) else f"{k} unset" for k in _CCL_VARS[1:])
+    text = f"{exc}"
+    fix = next((f for needle, f in _CCL_FAILURES if needle in text), None)
+    # oneCCL prints its reason on stderr only; the exception says "failed to initialize ATL".
+    mpi = transport.strip().lower() == "mpi"
+    prov = environ.get("FI_PROVIDER_PATH")
+    if fix is None and mpi and not any(environ.get(k) for k in _IMPI_ROOT_VARS):
+        fix = _CCL_FAILURES[0][1]
+    elif fix is None and not mpi and not (prov and _has(prov, _FI_PROVIDER_GLOB)):
+        where = f"FI_PROVIDER_PATH={prov} holds no {_FI_PROVIDER_GLOB}" if prov else "FI_PROVIDER_PATH is unset"
+        fix = f"{where}, so {_CCL_FAILURES[1][1]}"
+    if fix is None:
+        fix = (f"export CCL_LOG_LEVEL=info to see oneCCL's reason; try CCL_ATL_TRANSPORT={'ofi' if mpi else 'mpi'}"
+               f"{'' if mpi else ' (under Intel MPI only)'}, or pass backend='gloo'")
+    return BackendError(msg, fix=f"oneCCL transport CCL_ATL_TRANSPORT={transport} ({shown}): {fix}")
 
 
 def _worker_affinity(env: "DistEnv", plan: Any, count: int) -> Optional[str]:
@@ -730,7 +995,14 @@ def _worker_affinity(env: "DistEnv", plan: Any, count: int) -> Optional[str]:
     """
     cpus = tuple(getattr(plan, "ccl_worker_cpus", None) or ()) if plan is not None else ()
     if not cpus:
-        return None
+        # No CPU to spare: the workers share this rank's own cores.  Left unset, oneCCL's
+        # "auto" counts from the node's last core and puts local rank 0's worker on the core
+        # of the last local rank (seen with 2 ranks on 2 CPUs: each rank's worker on the
+        # other's compute core).
+        own = tuple(getattr(plan, "cpus", None) or ()) if plan is not None else ()
+        if not own:
+            return None
+        cpus = tuple(own[-1 - (i % len(own))] for i in range(count))
     if len(cpus) != count:
         if env.local_rank == 0:
             log.warning(

@@ -8,6 +8,7 @@ Usage::
     mpiexec -n 4 cpuddp bench broadcast --json out.json --csv out.csv --plot out.png
     cpuddp bench allreduce --nproc 2 --min-busbw 1.0      # CI gate (exit code 4 below it)
     cpuddp bench allreduce --nproc 2 --compare-bare -b 16M -e 64M
+    cpuddp bench allreduce --nproc 2 --backend gloo,shm   # both in one run, interleaved, with the ratio
 
 Collectives: ``allreduce`` (alias ``all_reduce``), ``all_gather`` (``allgather``),
 ``broadcast``, ``reduce_scatter`` (``reducescatter``).
@@ -46,6 +47,12 @@ all sizes, as nccl-tests' ``NCCL_TESTS_MIN_BW``) is below ``--min-busbw``.
 ``--compare-bare`` times, in the same processes and interleaved (ABBA order over
 ``--rounds`` rounds), the loop the sweep uses and a bare ``torch.distributed`` loop, and
 prints the median busbw of each and their ratio: the check that cpuddp adds no overhead.
+
+``--backend a,b,...`` times each backend in the same ranks (the default group is the first's;
+the others get ``new_group(backend=...)``), ``--rounds`` rounds per size and backend in ABBA
+order, and prints the median round of each and the speed-up of each over the first.  Rank
+information is exchanged with two tensor collectives (:func:`exchange_json`), not
+``all_gather_object``, which needs numpy.  Teardown is bounded (:data:`TEARDOWN_TIMEOUT`).
 
 Environment read: the launcher's variables (see :mod:`cpuddp.launchers`);
 ``CPUDDP_BENCH_CHILD`` marks a rank started by ``--nproc`` (internal).
@@ -353,6 +360,24 @@ def _dtype_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; choose from {', '.join(names)}") from None
 
 
+def parse_backends(text: str) -> list[str]:
+    """``"gloo, shm"`` -> ``["gloo", "shm"]`` (lowercase, in order; no repeats)."""
+    names = [b.strip().lower() for b in str(text).split(",")]
+    if not names or any(not b for b in names):
+        raise ValueError(f"--backend {text!r} must name one backend or several separated by commas, e.g. gloo,shm")
+    repeated = sorted({b for b in names if names.count(b) > 1})
+    if repeated:
+        raise ValueError(f"--backend {text!r} names {', '.join(repeated)} more than once")
+    return names
+
+
+def _backends_arg(text: str) -> list[str]:
+    try:
+        return parse_backends(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``cpuddp bench`` (short forms as in nccl-tests)."""
     p.add_argument("collective", type=_collective_arg, metavar="COLLECTIVE",
@@ -369,7 +394,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="all_gather/reduce_scatter: the input is a slice of the output (allreduce and "
                         "broadcast are always in place in torch)")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness check")
-    p.add_argument("--backend", default="auto", help="collective backend for init_distributed (default auto)")
+    p.add_argument("--backend", default="auto", type=_backends_arg,
+                   help="collective backend for init_distributed (default auto); several, comma-separated "
+                        "(e.g. gloo,shm), are timed in the same run, interleaved, with their ratio")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin threads (init_distributed pin=False)")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="start N local ranks (only without a launcher)")
@@ -396,6 +423,10 @@ def _validate(args: argparse.Namespace) -> Optional[str]:
         return "--nproc must be >= 1"
     if args.rounds < 1:
         return "--rounds must be >= 1"
+    if isinstance(args.backend, str):
+        args.backend = parse_backends(args.backend)
+    if len(args.backend) > 1 and args.compare_bare:
+        return "--compare-bare times one backend; pass a single --backend with it"
     try:
         sweep_sizes(args.min, args.max, args.factor)
     except ValueError as e:
@@ -520,7 +551,9 @@ def _pattern(count: int, rank: int, dtype: "torch.dtype") -> "torch.Tensor":
     return ((torch.arange(count, dtype=torch.int64) + rank) % 5).to(dtype)
 
 
-def _make_op(collective: str, count: int, dtype: "torch.dtype", inplace: bool, rank: int, n: int) -> _Op:
+def _make_op(collective: str, count: int, dtype: "torch.dtype", inplace: bool, rank: int, n: int,
+             group: Any = None) -> _Op:
+    """The buffers and calls of one size, on ``group`` (None: the default group)."""
     import torch
     import torch.distributed as dist
 
@@ -548,14 +581,14 @@ def _make_op(collective: str, count: int, dtype: "torch.dtype", inplace: bool, r
         def bare(warmup: int, iters: int) -> float:
             dist.barrier()
             for _ in range(warmup):
-                dist.all_reduce(buf)
+                dist.all_reduce(buf, group=group)
             dist.barrier()
             start = time.perf_counter()
             for _ in range(iters):
-                dist.all_reduce(buf)
+                dist.all_reduce(buf, group=group)
             return (time.perf_counter() - start) / iters
 
-        return _Op(lambda: dist.all_reduce(buf), bare, fill, lambda: buf, summed)
+        return _Op(lambda: dist.all_reduce(buf, group=group), bare, fill, lambda: buf, summed)
 
     if collective == "broadcast":
         buf = torch.zeros(count, dtype=dtype)
@@ -566,14 +599,14 @@ def _make_op(collective: str, count: int, dtype: "torch.dtype", inplace: bool, r
         def bare(warmup: int, iters: int) -> float:
             dist.barrier()
             for _ in range(warmup):
-                dist.broadcast(buf, 0)
+                dist.broadcast(buf, 0, group=group)
             dist.barrier()
             start = time.perf_counter()
             for _ in range(iters):
-                dist.broadcast(buf, 0)
+                dist.broadcast(buf, 0, group=group)
             return (time.perf_counter() - start) / iters
 
-        return _Op(lambda: dist.broadcast(buf, 0), bare, fill, lambda: buf,
+        return _Op(lambda: dist.broadcast(buf, 0, group=group), bare, fill, lambda: buf,
                    lambda: _pattern(count, 0, torch.float64))
 
     if collective == "all_gather":
@@ -590,14 +623,14 @@ def _make_op(collective: str, count: int, dtype: "torch.dtype", inplace: bool, r
         def bare(warmup: int, iters: int) -> float:
             dist.barrier()
             for _ in range(warmup):
-                all_gather(out, inp)
+                all_gather(out, inp, group=group)
             dist.barrier()
             start = time.perf_counter()
             for _ in range(iters):
-                all_gather(out, inp)
+                all_gather(out, inp, group=group)
             return (time.perf_counter() - start) / iters
 
-        return _Op(lambda: all_gather(out, inp), bare, fill, lambda: out, expected)
+        return _Op(lambda: all_gather(out, inp, group=group), bare, fill, lambda: out, expected)
 
     if collective == "reduce_scatter":
         inp = torch.zeros(count, dtype=dtype)
@@ -611,14 +644,14 @@ def _make_op(collective: str, count: int, dtype: "torch.dtype", inplace: bool, r
         def bare(warmup: int, iters: int) -> float:
             dist.barrier()
             for _ in range(warmup):
-                reduce_scatter(out, inp)
+                reduce_scatter(out, inp, group=group)
             dist.barrier()
             start = time.perf_counter()
             for _ in range(iters):
-                reduce_scatter(out, inp)
+                reduce_scatter(out, inp, group=group)
             return (time.perf_counter() - start) / iters
 
-        return _Op(lambda: reduce_scatter(out, inp), bare, fill, lambda: out, lambda: summed()[lo:hi])
+        return _Op(lambda: reduce_scatter(out, inp, group=group), bare, fill, lambda: out, lambda: summed()[lo:hi])
 
     raise ValueError(f"unknown collective {collective!r}")
 
@@ -788,7 +821,7 @@ def _out(line: str = "") -> None:
 
 def run_rank(args: argparse.Namespace) -> int:
     """The benchmark inside one rank (every rank runs this; rank 0 prints)."""
-    env = _init(args.backend, args.timeout, args.pin)
+    env = _init(args.backend[0], args.timeout, args.pin)
     finished = False
     try:
         code = _run_rank(args, env)
@@ -798,8 +831,16 @@ def run_rank(args: argparse.Namespace) -> int:
         _teardown(finished)
 
 
-def _teardown(finished: bool) -> None:
-    """Leave the group; a barrier first only when this rank finished (a failed peer would hang it)."""
+#: Seconds the teardown waits for torch's destroy_process_group before abandoning it.
+TEARDOWN_TIMEOUT = 10.0
+
+
+def _teardown(finished: bool, limit: float = TEARDOWN_TIMEOUT) -> None:
+    """Leave the group; a barrier first only when this rank finished (a failed peer would hang it).
+
+    Bounded: a ``destroy_process_group`` that hangs (a peer gone mid-collective) is abandoned
+    after ``limit`` seconds on a daemon thread, with a line on stderr.
+    """
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -812,7 +853,41 @@ def _teardown(finished: bool) -> None:
 
         shutdown()  # bounded: it abandons a torch teardown that hangs
         if dist.is_initialized():
-            dist.destroy_process_group()
+            _bounded(dist.destroy_process_group, limit, "destroy_process_group")
+
+
+def _bounded(fn: Callable[[], Any], limit: float, what: str) -> bool:
+    """Run ``fn`` on a daemon thread; True when it returned within ``limit`` seconds."""
+    import threading
+
+    t = threading.Thread(target=fn, name=f"cpuddp-bench-{what}", daemon=True)
+    t.start()
+    t.join(limit)
+    if t.is_alive():
+        sys.stderr.write(f"# cpuddp bench: {what} did not return within {limit:g} s; leaving it\n")
+        return False
+    return True
+
+
+def exchange_json(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's JSON-able ``value``, in rank order, through two tensor collectives.
+
+    Not ``all_gather_object``: that needs numpy, which a bare torch install lacks (issue 11).
+    """
+    import torch
+    import torch.distributed as dist
+
+    data = torch.tensor(list(json.dumps(value).encode()), dtype=torch.uint8)
+    n = dist.get_world_size(group)
+    size = torch.tensor([data.numel()], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(sizes, size, group=group)
+    longest = max(int(x.item()) for x in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:data.numel()] = data
+    got = [torch.zeros(longest, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(got, padded, group=group)
+    return [json.loads(bytes(g[:int(k.item())].tolist()).decode()) for g, k in zip(got, sizes)]
 
 
 def _run_rank(args: argparse.Namespace, env: Any) -> int:
@@ -824,8 +899,7 @@ def _run_rank(args: argparse.Namespace, env: Any) -> int:
     args.inplace = bool(args.inplace or args.collective in ("allreduce", "broadcast"))
     dtype = _torch_dtype(args.dtype)
     itemsize = _DTYPES[args.dtype][1]
-    infos: list[Any] = [None] * n
-    dist.all_gather_object(infos, _rank_info())
+    infos = exchange_json(_rank_info())
 
     plan = getattr(env, "pin_plan", None) if env is not None else None
     ceiling = None
@@ -859,6 +933,8 @@ def _run_rank(args: argparse.Namespace, env: Any) -> int:
 
     if args.compare_bare:
         return _compare(args, shaped, dtype, rank, n, main_rank, meta)
+    if len(args.backend) > 1:
+        return _compare_backends(args, shaped, dtype, rank, n, main_rank, meta)
 
     rows: list[Row] = []
     if main_rank:
@@ -957,6 +1033,144 @@ def _compare(args: argparse.Namespace, shaped: Sequence[tuple[int, int]], dtype:
                           f, indent=2, default=str)
                 f.write("\n")
     return EXIT_OK
+
+
+def format_backend_head(names: Sequence[str]) -> list[str]:
+    """Header lines of the backend comparison: per backend time, busbw and #wrong, then ratios."""
+    top = f"#{'size':>11s}  {'count':>12s}  {'type':>8s}"
+    unit = f"#{'(B)':>11s}  {'(elements)':>12s}  {'':>8s}"
+    for b in names:
+        top += f"  {b[:10] + ' time':>15s}  {'busbw':>7s}  {'#wrong':>6s}"
+        unit += f"  {'(us)':>15s}  {'(GB/s)':>7s}  {'':>6s}"
+    for b in names[1:]:
+        top += f"  {b[:8] + '/' + names[0][:8]:>17s}"
+        unit += f"  {'(speed-up)':>17s}"
+    return [top, unit]
+
+
+def format_backend_row(row: Mapping[str, Any], names: Sequence[str]) -> str:
+    """One line of the backend comparison (``row`` as :func:`backend_row` makes it)."""
+    line = f"{row['size']:12d}  {row['count']:12d}  {row['type']:>8s}"
+    for b in names:
+        r = row["backends"][b]
+        wrong = "N/A" if r["wrong"] < 0 else str(r["wrong"])
+        line += f"  {_fmt_time(r['time_us']):>15s}  {r['busbw']:7.3f}  {wrong:>6s}"
+    for b in names[1:]:
+        line += f"  {row['ratio'][b]:16.2f}x"
+    return line
+
+
+def backend_row(names: Sequence[str], rows: Mapping[str, Row], times: Mapping[str, Sequence[float]]) -> dict[str, Any]:
+    """Merge one size's rows (one per backend) into a comparison row; ratio = first's time / other's."""
+    first = rows[names[0]]
+    out: dict[str, Any] = {"size": first.size, "count": first.count, "type": first.type, "backends": {}, "ratio": {}}
+    for b in names:
+        out["backends"][b] = dict(asdict(rows[b]), rounds_us=[t * 1e6 for t in times[b]])
+    for b in names[1:]:
+        out["ratio"][b] = first.time_us / rows[b].time_us if rows[b].time_us > 0 else 0.0
+    return out
+
+
+def _compare_backends(args: argparse.Namespace, shaped: Sequence[tuple[int, int]], dtype: "torch.dtype",
+                      rank: int, n: int, main_rank: bool, meta: dict[str, Any]) -> int:
+    """Time each backend of ``--backend a,b,...`` in the same ranks, interleaved, size by size.
+
+    The first backend is the default group's; each other one gets a group of all ranks made with
+    ``new_group(backend=...)``.  Per size and backend: ``--rounds`` rounds of the sweep's timed
+    loop in ABBA order, the median round reported (max over ranks, as in the sweep).
+    """
+    import torch.distributed as dist
+
+    from .backends import load_backend
+
+    names = list(args.backend)
+    groups: dict[str, Any] = {names[0]: None}
+    for b in names[1:]:
+        load_backend(b)
+        groups[b] = dist.new_group(backend=b)
+    if main_rank:
+        _out(f"# compare backends: {', '.join(names)} in the same {n} ranks; per size {args.rounds} round(s) of "
+             f"{args.iters} timed calls each, interleaved (ABBA), median round; ratio = {names[0]} time / other's")
+        for line in format_backend_head(names):
+            _out(line)
+    out_rows: list[dict[str, Any]] = []
+    wrong_total = 0
+    for nbytes, count in shaped:
+        ops = {b: _make_op(args.collective, count, dtype, args.inplace, rank, n, groups[b]) for b in names}
+        times: dict[str, list[float]] = {b: [] for b in names}
+        for i in range(args.rounds):
+            for b in (names if i % 2 == 0 else names[::-1]):
+                times[b].append(_max_over_ranks(_timed(ops[b].call, args.warmup, args.iters)))
+        rows = {}
+        for b in names:
+            wrong = _sum_over_ranks(_check(ops[b], dtype)) if args.check else -1
+            wrong_total += max(wrong, 0)
+            rows[b] = make_row(args.collective, n, nbytes, count, args.dtype, statistics.median(times[b]), wrong,
+                               args.inplace)
+        row = backend_row(names, rows, times)
+        out_rows.append(row)
+        if main_rank:
+            _out(format_backend_row(row, names))
+        del ops
+    code = EXIT_WRONG if wrong_total else EXIT_OK
+    if main_rank:
+        for b in names[1:]:
+            ratios = [r["ratio"][b] for r in out_rows]
+            _out(f"# {b} vs {names[0]}: speed-up {min(ratios):.2f}x to {max(ratios):.2f}x, "
+                 f"median {statistics.median(ratios):.2f}x; at {format_size(out_rows[-1]['size'])} {ratios[-1]:.2f}x")
+        ceiling = meta.get("ceiling")
+        if ceiling:
+            for b in names:
+                peak = max(r["backends"][b]["busbw"] for r in out_rows)
+                _out(f"# {b}: peak busbw {peak:.3f} GB/s = {peak / ceiling['gbps']:.0%} of the memory-copy ceiling")
+        _out(f"# Out of bounds values : {wrong_total} {'OK' if not wrong_total else 'FAILED'}"
+             if args.check else "# Out of bounds values : not checked (--no-check)")
+        _out(f"# Exit code            : {code}")
+        result = {"format": "cpuddp-bench-backends/1", "meta": dict(meta, backends=names), "rows": out_rows}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=2, default=str)
+                f.write("\n")
+        if args.csv:
+            with open(args.csv, "w") as f:
+                f.write("backend," + rows_to_csv([]).splitlines()[0] + "\n")
+                for b in names:
+                    for line in rows_to_csv([Row(**{k: v for k, v in r["backends"][b].items() if k != "rounds_us"})
+                                             for r in out_rows]).splitlines()[1:]:
+                        f.write(f"{b},{line}\n")
+        if args.plot:
+            plot_backends(result, args.plot)
+    return code
+
+
+def plot_backends(result: Mapping[str, Any], path: str) -> None:
+    """busbw of each backend against size, with the memory-copy ceiling, to a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, meta = result["rows"], result["meta"]
+    sizes = [r["size"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for b in meta["backends"]:
+        ax.plot(sizes, [r["backends"][b]["busbw"] for r in rows], "o-", label=f"{b} busbw")
+    c = meta.get("ceiling")
+    if c:
+        ax.axhline(c["gbps"], color="grey", linestyle=":", label=f"memory copy {c['gbps']:.1f} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([format_size(s).replace(" ", "\u2009") for s in sizes], rotation=45 if len(sizes) > 9 else 0)
+    ax.minorticks_off()
+    ax.set_xlabel("size")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{meta['collective']} {meta['dtype']}, {meta['nranks']} ranks: {', '.join(meta['backends'])}")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 # --------------------------------------------------------------------------- entry points

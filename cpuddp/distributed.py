@@ -64,6 +64,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, MutableMapping, Optional, Union
 
 from . import hosts
+from ._compat import TESTED_TORCH, check_torch_version, older_than_tested
 from .env import DistEnv
 from .errors import BackendError, LauncherEnvError, RendezvousError, first_line
 from .launchers import detect
@@ -162,7 +163,7 @@ def init_distributed(
         env = detect(environ)
         import torch.distributed as dist
 
-        _check_torch_version()
+        _check_torch()
         if dist.is_initialized():
             return _adopt(env)
         _destroy_group(SHUTDOWN_TIMEOUT)  # clears a stale "abandoned" mark once the group is gone
@@ -188,11 +189,17 @@ def init_distributed(
         return env
 
 
-def _check_torch_version() -> None:
-    try:  # TODO(integration): _compat lands with the torch-range work
-        from ._compat import check_torch_version
-    except ImportError:
-        return
+def _check_torch() -> None:
+    """Refuse a torch older than the tested range (the store cannot take rank 0's socket);
+    log once for a newer one."""
+    import torch
+
+    if older_than_tested(torch.__version__):
+        lo = ".".join(map(str, TESTED_TORCH[0]))
+        raise BackendError(
+            f"torch {torch.__version__} is older than cpuddp supports (torch {lo} or newer)",
+            fix=f"pip install 'torch>={lo}' (CPU build: pip install torch==2.13.0)",
+        )
     check_torch_version(log)
 
 
@@ -231,7 +238,8 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
     step = f"cpuddp/init{sess.generation}"
     try:
         env, local_cpus = _gather_layout(env, store, f"{step}/host", td)
-        choice = _agree_backend(backend, env, store, f"{step}/backend", td, environ)
+        node_cpus = len(frozenset().union(*local_cpus)) if local_cpus else len(hosts.allowed_cpus()) or None
+        choice = _agree_backend(backend, env, store, f"{step}/backend", td, environ, node_cpus)
         plan = affinity.plan_for(env, backend=choice.name, environ=environ, local_cpus=local_cpus) if pin else None
         sess.export(environ, env.exported(), reason="describes this process to torch and child processes", strict=True)
         sess.export(os.environ, backends.backend_env(env, choice.name, plan, os.environ), reason="backend setting")
@@ -295,12 +303,12 @@ def _apply_layout(env: DistEnv, lay: hosts.Layout) -> DistEnv:
 
 
 def _agree_backend(requested: str, env: DistEnv, store: Any, name: str, td: datetime.timedelta,
-                   environ: Mapping[str, str]) -> Any:
+                   environ: Mapping[str, str], node_cpus: Optional[int] = None) -> Any:
     """This rank's backend choice, checked against every other rank's through the store.
     Under "auto", ranks that disagree (a binding on some nodes only) all take gloo."""
     from . import backends
 
-    choice = backends.resolve_backend(requested, env, environ=environ)
+    choice = backends.resolve_backend(requested, env, environ=environ, node_cpus=node_cpus)
     if store is not None:
         names = hosts.exchange(store, name, env.rank, env.world_size, choice.name, td, what="backend")
         if len(set(names)) > 1:

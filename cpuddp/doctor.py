@@ -21,7 +21,9 @@ the pinning plan cpuddp would apply for each local rank; the host's name resolut
 It is fast (well under two seconds; about 0.1 s of work) because it never imports torch,
 IPEX, the oneCCL bindings, mpi4py or py-cpuinfo: versions come from ``importlib.metadata``,
 the CPU from ``/proc/cpuinfo`` and sysfs, and name lookups are bounded to 0.5 s.  torch's
-built-in backends are therefore listed unprobed unless ``--torch`` is given.  It forms no process group and changes nothing.  A section
+built-in backends are therefore listed unprobed unless ``--torch`` is given.  oneCCL bindings
+whose version names another torch get the verdict ``init_distributed`` uses: an import probe
+in a child process (:mod:`cpuddp.ccl_probe`; a few seconds the first time, cached after).  It forms no process group and changes nothing.  A section
 whose module fails is reported as "not available" with the reason; the rest still runs.
 Exit codes: 0 (report printed), 3 with ``--strict`` when there are warnings.
 """
@@ -306,6 +308,15 @@ def _backends(env: Any, probe_torch: bool) -> dict[str, Any]:
     return out
 
 
+def _ccl_verdict(backends: Any) -> Optional[dict[str, Any]]:
+    """What the ccl backend's check decided, and on what evidence (metadata, import probe)."""
+    items = backends.get("backends", []) if isinstance(backends, dict) else []
+    ccl = next((b for b in items if isinstance(b, dict) and b.get("name") == "ccl"), None)
+    if ccl is None:
+        return None
+    return {"usable": bool(ccl.get("available")), "evidence": ccl.get("evidence"), "reason": ccl.get("reason")}
+
+
 def _torch_probes() -> dict[str, Any]:
     """What only torch can tell (``--torch``): threads, and its own CPU-feature probes."""
     import torch
@@ -456,6 +467,8 @@ def collect(environ: Optional[Mapping[str, str]] = None, *, root: str = "/", pro
     report["versions"] = versions
     backends = _section(lambda: _backends(env, probe_torch))
     report["backends"] = backends
+    if isinstance(versions, dict) and versions.get("oneccl_bind_pt"):
+        versions["oneccl_bind_pt_verdict"] = _ccl_verdict(backends)
     if probe_torch:
         report["torch"] = _section(_torch_probes)
     cpu = _section(lambda: _cpu(root))
@@ -483,11 +496,16 @@ def collect(environ: Optional[Mapping[str, str]] = None, *, root: str = "/", pro
     if isinstance(versions, dict):
         for key, name in (("ipex", "IPEX"), ("oneccl_bind_pt", "oneccl_bind_pt")):
             if versions.get(f"{key}_matches_torch") is False:
+                verdict = versions.get(f"{key}_verdict") or {}
+                if verdict.get("usable"):
+                    continue  # a source build for this torch: its import probe passed
                 built_for = versions.get(f"{key}_built_for") or _built_for(versions[key])
+                why = (f" ({verdict['reason']})" if verdict.get("reason") and verdict.get("evidence") == "import probe"
+                       else "")
                 report["warnings"].append(_warn(
                     "version-mismatch",
                     f"{name} {versions[key]} is built for {built_for}, but torch is {versions['torch']}: "
-                    "importing it would fail or abort",
+                    f"importing it would fail or abort{why}",
                     f"install the {name} release for torch {versions['torch']} or the torch it was built for, "
                     f"or uninstall {name}"))
     report["elapsed_s"] = round(time.perf_counter() - t0, 3)
@@ -543,8 +561,12 @@ def format_text(report: Mapping[str, Any]) -> str:
         for key, name in (("ipex", "IPEX"), ("oneccl_bind_pt", "oneccl_bind_pt")):
             m = v.get(f"{key}_matches_torch")
             if m is not None:
+                verdict = v.get(f"{key}_verdict") or {}
+                probed = not m and verdict.get("evidence") == "import probe"
                 add(f"  {name} {v[key]} with torch {v.get('torch')}: {'match' if m else 'MISMATCH'} "
-                    f"(built for {v.get(key + '_built_for') or _built_for(v[key])})")
+                    f"(built for {v.get(key + '_built_for') or _built_for(v[key])}"
+                    + (" by its version; import probe " + ("passed: usable" if verdict.get("usable") else "FAILED")
+                       if probed else "") + ")")
 
     add("")
     add("Backends")

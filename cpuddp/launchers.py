@@ -28,7 +28,9 @@ Why this order: torchrun first because it sets the torch variables itself and ma
 an MPI or Slurm allocation (whose variables then describe the allocation, not this process).
 The MPI families come before Slurm for the same reason: ``mpirun`` inside an ``sbatch``
 script inherits the batch step's ``SLURM_PROCID=0``.  Slurm is trusted only inside an
-``srun`` step (``SLURM_STEP_ID`` set); a batch script run directly is a single process.
+``srun`` step (``SLURM_STEP_ID`` set); a batch script run directly is a single process (and
+logs why).  ``srun --mpi=pmi2`` sets ``PMI_RANK``/``PMI_SIZE`` too: when ``PMI_JOBID`` is
+Slurm's ``<job>.<step>``, the task is Slurm's and the Slurm reader describes it.
 Plain ``RANK``/``WORLD_SIZE`` come last because they are also what cpuddp exports.
 
 Rules every reader follows: partial information is an error (a rank without a size never
@@ -42,6 +44,7 @@ node*, not the node's index, so the node rank under MPI is derived from block pl
 from __future__ import annotations
 
 import ipaddress
+import logging
 import re
 import zlib
 from dataclasses import dataclass, field
@@ -49,6 +52,8 @@ from typing import Callable, Mapping, Optional
 
 from .env import DEFAULT_PORT, PORT_RANGE, DistEnv
 from .errors import LauncherEnvError
+
+log = logging.getLogger("cpuddp")
 
 __all__ = [
     "READERS",
@@ -206,7 +211,7 @@ def _read_torchrun(environ: Mapping[str, str]) -> Optional[_Raw]:
 
 def _read_hydra(environ: Mapping[str, str]) -> Optional[_Raw]:
     r = _Reader(environ, "hydra")
-    if not r.has("PMI_RANK", "PMI_SIZE"):
+    if not r.has("PMI_RANK", "PMI_SIZE") or _slurm_pmi(environ):
         return None
     fix = "launch with Intel MPI or MPICH `mpiexec -n N python ...`, which sets PMI_RANK and PMI_SIZE"
     raw = _Raw(
@@ -280,6 +285,7 @@ def _read_slurm(environ: Mapping[str, str]) -> Optional[_Raw]:
     if not r.has("SLURM_STEP_ID", "SLURM_STEPID"):
         # A batch script or salloc shell: the SLURM_* variables describe the allocation, and
         # this process was not started as one of N tasks.  That is a single process.
+        _log_batch_shell(environ)
         return None
     fix = "launch the tasks with `srun` (it sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID)"
     raw = _Raw(
@@ -337,6 +343,29 @@ def _read_slurm(environ: Mapping[str, str]) -> Optional[_Raw]:
         if raw.num_nodes is None:
             raw.num_nodes = len(raw.slurm_nodes)
     return raw
+
+
+def _slurm_pmi(environ: Mapping[str, str]) -> bool:
+    """True when the PMI_* variables are Slurm's own (``srun --mpi=pmi2`` sets PMI_RANK, PMI_SIZE,
+    PMI_FD and PMI_JOBID=<job>.<step>): Slurm launched this task and its reader describes it
+    fully (node list, tasks per node), where Hydra's would lack the local size."""
+    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
+    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
+    return bool(job and step) and environ.get("PMI_JOBID", "").strip() == f"{job}.{step}"
+
+
+def _log_batch_shell(environ: Mapping[str, str]) -> None:
+    """Say why an sbatch script's ``python train.py`` (SLURM_PROCID=0, SLURM_NTASKS=N, no step)
+    is a world of one: a warning when the job has more tasks, which the user probably meant."""
+    ntasks = environ.get("SLURM_NTASKS", "").strip()
+    level = logging.WARNING if ntasks.isdigit() and int(ntasks) > 1 else logging.DEBUG
+    log.log(
+        level,
+        "cpuddp: SLURM_PROCID is set but SLURM_STEP_ID is not: this is an sbatch script or salloc shell, "
+        "not an srun task, so it runs as a single process (world 1, not SLURM_NTASKS=%s); "
+        "start the ranks with `srun python ...`",
+        ntasks or "unset",
+    )
 
 
 def _read_env(environ: Mapping[str, str]) -> Optional[_Raw]:

@@ -4,7 +4,7 @@ Every helper works with or without an initialized process group (then the world 
 process), so the same script runs as ``python train.py``, under ``torchrun`` and under
 ``mpiexec``::
 
-    loader = cpuddp.shard(dataset, batch_size=16)          # per-rank batch, set_epoch handled
+    loader = cpuddp.shard(dataset, batch_size=16)          # per-rank batch; each full pass reshuffles
     for epoch in range(epochs):
         for batch in loader: ...
         loss = cpuddp.reduce_mean(running_loss)             # the same value on every rank
@@ -15,10 +15,12 @@ process), so the same script runs as ``python train.py``, under ``torchrun`` and
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import tempfile
 from collections.abc import Mapping
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from . import affinity
 from .errors import CpuddpError, PrepareError
 from .preparation import prepared_info, unwrap
 
@@ -70,9 +73,13 @@ def barrier() -> None:
 class ShardedLoader:
     """A DataLoader over this rank's shard that calls ``sampler.set_epoch`` on each pass.
 
-    Each ``iter()`` uses the current epoch and then advances it, so every epoch reshuffles
-    (identically on every rank) with no call from the user; :meth:`set_epoch` overrides it
-    (e.g. when resuming).  Attributes not defined here come from the wrapped DataLoader.
+    The epoch moves on when a pass **runs to the end**, so a full ``for batch in loader`` per
+    epoch reshuffles (identically on every rank) with no call from the user, while a pass
+    left early -- ``next(iter(loader))`` to peek at a batch, a ``break`` -- changes nothing:
+    every rank keeps the same epoch whatever it peeked at.  :meth:`set_epoch` sets the epoch
+    of the next pass, as ``DistributedSampler.set_epoch`` does; call it at the top of each
+    epoch when your epochs end early (a step limit), or when resuming.  ``epoch`` is the
+    epoch the next pass uses.  Attributes not defined here come from the wrapped DataLoader.
     """
 
     def __init__(self, loader: DataLoader, sampler: Optional[Any], epoch: int = 0) -> None:
@@ -81,13 +88,13 @@ class ShardedLoader:
         self.epoch = epoch
 
     def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next pass (it seeds the shuffle; the same on every rank)."""
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[Any]:
         if self.sampler is not None and hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        return iter(self.loader)
+        return _Pass(self, self.epoch)
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -96,6 +103,70 @@ class ShardedLoader:
         if name in ("loader", "sampler", "epoch"):  # not yet set (unpickling)
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+
+class _Pass:
+    """One pass over a ShardedLoader; moves its epoch on when the pass runs to the end."""
+
+    def __init__(self, owner: ShardedLoader, epoch: int) -> None:
+        self._owner = owner
+        self._epoch = epoch
+        self._batches = iter(owner.loader)
+
+    def __iter__(self) -> "_Pass":
+        return self
+
+    def __len__(self) -> int:
+        return len(self._batches)  # type: ignore[arg-type]
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._batches)
+        except StopIteration:
+            if self._owner.epoch == self._epoch:  # once per epoch, and not over a set_epoch()
+                self._owner.epoch = self._epoch + 1
+            raise
+
+
+class _WorkerLimits:
+    """``worker_init_fn`` of the DataLoaders :func:`shard` builds: bound each worker, then call the user's.
+
+    A DataLoader worker is a process of its own that inherits the rank's affinity and its
+    ``OMP_NUM_THREADS``; torch gives it 1 intra-op thread, but the BLAS under numpy and
+    whatever the worker starts or loads later size their pools from what it inherited, so
+    ``num_workers`` workers can run ``num_workers x`` the rank's threads on the rank's cores.
+    Each worker therefore runs on its rank's compute CPUs (``cpus``, from the pinning plan;
+    never the other ranks' cores: DDP runs at the pace of the slowest rank) with ``threads``
+    threads in every pool it can reach: torch, ``OMP_NUM_THREADS`` for what comes later,
+    and -- when threadpoolctl is installed -- BLAS/OpenMP libraries already loaded.  The
+    user's ``worker_init_fn`` runs last, so it can change any of this.
+    """
+
+    def __init__(self, cpus: tuple[int, ...], threads: int, then: Optional[Callable[[int], None]] = None) -> None:
+        self.cpus = tuple(cpus)
+        self.threads = int(threads)
+        self.then = then
+
+    def __call__(self, worker_id: int) -> None:
+        if self.cpus:
+            affinity._set_affinity(self.cpus)  # a refusal (sandbox) leaves the inherited mask
+        os.environ["OMP_NUM_THREADS"] = str(self.threads)
+        torch.set_num_threads(self.threads)
+        if importlib.util.find_spec("threadpoolctl") is not None:
+            from threadpoolctl import threadpool_limits
+
+            threadpool_limits(self.threads)
+        if self.then is not None:
+            self.then(worker_id)
+
+
+def _worker_threads(value: Optional[int]) -> Optional[int]:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise PrepareError(
+            f"worker_threads={value!r} is not a positive int.",
+            fix="pass worker_threads=1 (the default), another count, or None to leave the workers as torch starts them",
+        )
+    return value
 
 
 _LOADER_ATTRS = (
@@ -113,6 +184,7 @@ def shard(
     drop_last: Optional[bool] = None,
     num_replicas: Optional[int] = None,
     rank: Optional[int] = None,
+    worker_threads: Optional[int] = 1,
     **loader_kwargs: Any,
 ) -> ShardedLoader:
     """Split ``data`` (a map-style Dataset or a DataLoader) across ranks.
@@ -123,7 +195,11 @@ def shard(
     DataLoader.  For a DataLoader, its batch size, collate function, workers etc. are kept
     and its shuffle is read from its sampler; at world size 1 it is only wrapped.
     ``seed`` must be the same on every rank.  ``drop_last`` drops the last partial batch.
+    With ``num_workers > 0``, each worker runs on the rank's pinned CPUs with
+    ``worker_threads`` threads (:class:`_WorkerLimits`); ``None`` leaves the workers as torch
+    starts them.
     """
+    worker_threads = _worker_threads(worker_threads)
     r, w = _rank_world()
     rank = r if rank is None else rank
     world = w if num_replicas is None else num_replicas
@@ -174,6 +250,9 @@ def shard(
         shuffle = True if shuffle is None else shuffle
         drop_last = False if drop_last is None else drop_last
 
+    if worker_threads is not None and kwargs.get("num_workers", 0) > 0:
+        plan = affinity.current_plan()
+        kwargs["worker_init_fn"] = _WorkerLimits(plan.cpus if plan else (), worker_threads, kwargs.get("worker_init_fn"))
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
     return ShardedLoader(loader, sampler)
@@ -250,16 +329,58 @@ def _like(original: Any, mean: float) -> Any:
 # --------------------------------------------------------------------------- checkpoints
 
 
+def _global_rank0(group: Any) -> int:
+    """The global rank of ``group``'s rank 0 (collectives name their source globally)."""
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def _broadcast_text(text: str, src: int, group: Any) -> str:
+    """Broadcast ``text`` from global rank ``src``: its length, then its UTF-8 bytes, as
+    tensors (torch's object collectives need numpy, which cpuddp does not require)."""
+    data = text.encode() if text else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=src, group=group)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(int(size.item()), dtype=torch.uint8)
+    if int(size.item()):
+        dist.broadcast(buf, src=src, group=group)
+    return bytes(buf.tolist()).decode()
+
+
+def _on_rank0(action: Callable[[], Any], what: str, fix: str, group: Any) -> Any:
+    """Run ``action()`` on rank 0 and give its (JSON-able) result to every rank.
+
+    Every rank waits for rank 0 in one broadcast.  An error on rank 0 is raised there as it
+    is, and on every other rank as a :class:`CpuddpError` naming it -- so no rank is left
+    waiting in a later collective until the timeout.
+    """
+    rank, _ = _rank_world(group)
+    status = ""
+    error: Optional[BaseException] = None
+    if rank == 0:
+        try:
+            status = json.dumps(["ok", action()])
+        except Exception as exc:  # reported to every rank below
+            error = exc
+            status = json.dumps(["error", f"{type(exc).__name__}: {exc}"])
+    kind, value = json.loads(_broadcast_text(status, _global_rank0(group), group))
+    if kind == "error":
+        if error is not None:
+            raise error
+        raise CpuddpError(f"{what} failed on rank 0: {value}", fix=fix)
+    return value
+
+
 def save_state_dict(model: nn.Module, path: Union[str, os.PathLike], *, group: Any = None) -> None:
     """Rank 0 writes ``unwrap(model).state_dict()`` to ``path`` (atomically); every rank waits.
 
     The file is a plain state dict: ``model.load_state_dict(torch.load(path))`` reads it
-    without cpuddp.
+    without cpuddp.  An error on rank 0 (a full disk, a missing permission) is raised on
+    every rank, so none is left waiting.
     """
-    rank, world = _rank_world(group)
-    if rank == 0:
+    path = os.fspath(path)
+
+    def write() -> None:
         state = unwrap(model).state_dict()
-        path = os.fspath(path)
         directory = os.path.dirname(os.path.abspath(path))
         os.makedirs(directory, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".cpuddp-", suffix=".pt", dir=directory)
@@ -270,8 +391,13 @@ def save_state_dict(model: nn.Module, path: Union[str, os.PathLike], *, group: A
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    if world > 1:
-        dist.barrier(group)
+
+    if _rank_world(group)[1] == 1:
+        write()
+        return
+    _on_rank0(write, f"saving {path!r}",
+              f"make {path!r} writable on rank 0's host (free space, permissions, every parent a directory); "
+              "every rank stopped", group)
 
 
 def load_state_dict(
@@ -284,26 +410,17 @@ def load_state_dict(
     raised on every rank, so none is left waiting.
     """
     core = unwrap(model)
+    path = os.fspath(path)
     rank, world = _rank_world(group)
     if world == 1:
-        return core.load_state_dict(torch.load(os.fspath(path), map_location="cpu", weights_only=True), strict=strict)
-    status: list[Any] = [None]
-    error: Optional[BaseException] = None
-    if rank == 0:
-        try:
-            state = torch.load(os.fspath(path), map_location="cpu", weights_only=True)
-            result = core.load_state_dict(state, strict=strict)
-            status[0] = ("ok", list(result.missing_keys), list(result.unexpected_keys))
-        except Exception as exc:  # reported to every rank below
-            error = exc
-            status[0] = ("error", f"{type(exc).__name__}: {exc}")
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast_object_list(status, src=src, group=group)
-    if status[0][0] == "error":
-        if error is not None:
-            raise error
-        raise CpuddpError(f"loading {os.fspath(path)!r} failed on rank 0: {status[0][1]}",
-                          fix="fix the checkpoint on rank 0; every rank stopped")
+        return core.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=strict)
+
+    def read() -> tuple[list[str], list[str]]:
+        result = core.load_state_dict(torch.load(path, map_location="cpu", weights_only=True), strict=strict)
+        return list(result.missing_keys), list(result.unexpected_keys)
+
+    missing, unexpected = _on_rank0(read, f"loading {path!r}", "fix the checkpoint on rank 0; every rank stopped", group)
+    src = _global_rank0(group)
     # Broadcast rank 0's (loaded) state dict, then load it on the other ranks.  Loading,
     # rather than relying on the tensors sharing storage with the parameters, also covers
     # modules whose state_dict() returns copies (IPEX's prepacked weights).
@@ -322,4 +439,4 @@ def load_state_dict(
             core.load_state_dict(state, strict=strict)
     from torch.nn.modules.module import _IncompatibleKeys
 
-    return _IncompatibleKeys(status[0][1], status[0][2])
+    return _IncompatibleKeys(missing, unexpected)

@@ -552,7 +552,12 @@ def prepare(
     if use_ipex:
         ipex_mod = _ipex.load()
         weight_dtype = dtype
-        if dtype is not None and do_ddp and world > 1:
+        if dtype is not None:
+            ok, why = _ipex.bf16_weights(ipex_mod)
+            if not ok:
+                weight_dtype = None
+                notes.append(f"IPEX bf16 weights not used ({why}); fp32 weights under bf16 autocast")
+        if weight_dtype is not None and do_ddp and world > 1:
             # IPEX's bf16 keeps bf16 weights (fp32 master copies in the optimizer), so DDP
             # all-reduces bf16 gradients: the backend must support that.
             ok, why = bf16_allreduce_supported(process_group)

@@ -201,8 +201,9 @@ def run_distributed(
             p = ctx.Process(
                 target=_rank_main,
                 args=(theirs, rank_env, payload, modules, backend, float(timeout), pin, threads, stacks[rank]),
+                # not daemonic: a rank may start processes of its own (DataLoader workers);
+                # every rank is stopped and reaped before run_distributed returns anyway
                 name=f"cpuddp-rank{rank}",
-                daemon=True,
             )
             try:
                 p.start()

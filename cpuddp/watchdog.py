@@ -82,6 +82,7 @@ _atexit_registered = False
 _COMM_WORDS = (
     "gloo", "connection", "peer", "timed out", "timeout", "store", "socket", "broken pipe",
     "ccl", "processgroup", "process group", "collective", "rendezvous",
+    "shm", "died while",  # cpuddp.shm's "shm allreduce: rank(s) [1] ... died while rank 0 waited"
 )
 
 
@@ -132,6 +133,14 @@ def diagnose(comm_failure: bool = True) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------- internals
+
+
+def _abort_shared_memory() -> None:
+    """Make local peers blocked in a :mod:`cpuddp.shm` allreduce raise at once (if it is in use)."""
+    shm = sys.modules.get("cpuddp.shm")
+    if shm is not None:
+        with contextlib.suppress(Exception):
+            shm.abort_groups("this rank raised an uncaught exception")
 
 
 def _pid_gone(pid: int) -> bool:
@@ -337,6 +346,7 @@ class _Watchdog:
         if mark:  # before the traceback: peers that fail next read it at once
             self.failed_here = True
             self._bounded(lambda: self._mark(exc_type, exc), OP_TIMEOUT)
+            _abort_shared_memory()  # local peers waiting in shared memory stop now, not at our exit
         print_traceback()
         comm = _looks_like_comm_failure(exc_type, exc)
         result: list[Optional[str]] = [None]

@@ -17,6 +17,7 @@ length.
 from __future__ import annotations
 
 import argparse
+import array
 import csv
 import random
 import sys
@@ -139,8 +140,15 @@ def _render(rng: random.Random, slots: dict[str, int], style: str, like: Optiona
     return text, words
 
 
-def generate(num_samples: int, seed: int = 0, *, hard_negatives: float = 0.3, synonym_rate: float = 0.3,
-             restyle_rate: float = 0.3) -> list[tuple[str, str, int]]:
+#: The defaults of :func:`generate`: the share of non-paraphrases that are hard negatives, and
+#: how often a paraphrase swaps a word for a synonym / changes the sentence's shape.
+HARD_NEGATIVES = 0.3
+SYNONYM_RATE = 0.3
+RESTYLE_RATE = 0.3
+
+
+def generate(num_samples: int, seed: int = 0, *, hard_negatives: float = HARD_NEGATIVES,
+             synonym_rate: float = SYNONYM_RATE, restyle_rate: float = RESTYLE_RATE) -> list[tuple[str, str, int]]:
     """``num_samples`` (sentence 1, sentence 2, label) triples, half of them paraphrases.
 
     A paraphrase swaps each word for a synonym with probability ``synonym_rate`` and
@@ -214,15 +222,21 @@ class PairDataset:
     """A map-style torch Dataset of tokenized pairs: dicts of ``input_ids``,
     ``token_type_ids``, ``attention_mask`` and ``labels`` (the names transformers uses)."""
 
-    def __init__(self, pairs: Sequence[tuple[str, str, int]], max_len: int = 128,
+    def __init__(self, pairs: Sequence[tuple[str, str, int]], max_len: int = 40,
                  tokenizer: Optional[Tokenizer] = None) -> None:
         import torch
 
         tok = tokenizer or Tokenizer()
-        enc = [tok.encode_pair(a, b, max_len) for a, b, _ in pairs]
-        self.input_ids = torch.tensor([e[0] for e in enc], dtype=torch.long)
-        self.token_type_ids = torch.tensor([e[1] for e in enc], dtype=torch.long)
-        self.attention_mask = torch.tensor([e[2] for e in enc], dtype=torch.long)
+        flat = array.array("i")
+        for a, b, _ in pairs:
+            flat.extend(tok.encode_pair(a, b, max_len)[0])
+        ids = torch.frombuffer(flat, dtype=torch.int32).view(len(pairs), max_len).long()
+        # The other two follow from the ids (one tensor built from Python lists, not three):
+        # the mask covers every non-pad token, and token type 1 starts after the first [SEP].
+        self.attention_mask = (ids != PAD).long()
+        sep = (ids == SEP).long()
+        self.token_type_ids = ((sep.cumsum(1) - sep) > 0).long() * self.attention_mask
+        self.input_ids = ids
         self.labels = torch.tensor([p[2] for p in pairs], dtype=torch.long)
 
     def __len__(self) -> int:

@@ -8,8 +8,24 @@ import sys
 import pytest
 
 
-# Set by pytest itself, and by torch on first use of an optimizer or torch.compile.
-_SET_BY_TOOLS = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"}
+# Set by pytest itself for each test.
+_SET_BY_TOOLS = {"PYTEST_CURRENT_TEST"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_process_defaults():
+    """Let torch write its once-per-process default of ``TORCHINDUCTOR_CACHE_DIR`` before any test.
+
+    torch's ``cache_dir()`` puts its default into ``os.environ`` the first time anything imports
+    the inductor: torch 2.13's ``torch._dynamo.package`` at the first optimizer, torch 2.8 on
+    ``import intel_extension_for_pytorch`` (a module-level ``@torch.compile``).  Whichever test
+    came first was then blamed for a leak it did not make.  Calling it here, once, makes that
+    write happen before the leak check's first snapshot; a test that changes the variable is
+    still caught.
+    """
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    cache_dir()
 
 
 @pytest.fixture(autouse=True)

@@ -1,9 +1,10 @@
 """cpuddp.backends and cpuddp.netif: choosing, loading and configuring the collective backend.
 
 The decision logic runs on injected package metadata and module lookups (no monkeypatching
-of globals).  gloo runs for real in subprocesses; so does a stand-in oneCCL binding (a fake
-installed wheel whose module registers "ccl" over gloo), to exercise the whole path through
-``cpuddp.init_distributed``.  The real oneCCL test runs only where the bindings can be used.
+of globals).  gloo runs for real in subprocesses; so does the oneCCL bindings' test double
+(tests/fake_ccl: an installed module that registers "ccl" over gloo, or aborts on import), to
+exercise the whole path through ``cpuddp.init_distributed``; tests/test_ccl_probe.py has the
+import probe, the transport per launcher and the init order.  The real oneCCL test runs only where the bindings can be used.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from types import MappingProxyType, SimpleNamespace
 
 import pytest
 
+from ccl_util import fake_site
 from cpuddp.backends import (
     BACKENDS,
+    CclPaths,
     BackendChoice,
     BackendStatus,
     available_backends,
@@ -136,12 +139,20 @@ def test_ccl_old_torch_ccl_module():
     assert st.available and st.module == "torch_ccl"
 
 
-def test_ccl_mismatch_is_reported_without_looking_for_the_module():
-    looked = []
-    st = _ccl({"torch": TORCH, "oneccl_bind_pt": "2.8.0+cpu"}, lambda m: looked.append(m) or True)
+def test_ccl_mismatch_is_judged_by_a_probe_never_by_importing():
+    looked, probed = [], []
+
+    def probe(module, torch_version):
+        probed.append((module, torch_version))
+        return SimpleNamespace(ok=False, cache_file=None, summary=lambda: "the import probe was killed by SIGABRT")
+
+    st = backend_status("ccl", metadata={"torch": TORCH, "oneccl_bind_pt": "2.8.0+cpu"},
+                        find_module=lambda m: looked.append(m) or True, environ={}, import_probe=probe)
     assert not st.available
-    assert looked == []  # not even located, let alone imported
-    assert "2.8.0+cpu" in st.reason and TORCH in st.reason and "not imported" in st.reason
+    assert looked == ["oneccl_bindings_for_pytorch"]  # located, not imported ...
+    assert probed == [("oneccl_bindings_for_pytorch", TORCH)]  # ... and imported in a child only
+    assert "2.8.0+cpu" in st.reason and TORCH in st.reason and "not imported here" in st.reason
+    assert "killed by SIGABRT" in st.reason
     assert "oneccl_bindings_for_pytorch" not in sys.modules
 
 
@@ -244,7 +255,7 @@ def test_ccl_requested_but_missing_names_package_and_versions():
 
 def test_ccl_requested_but_mismatched_names_both_versions():
     with pytest.raises(BackendError) as info:
-        resolve_backend("ccl", _env(), metadata={"torch": TORCH, "oneccl_bind_pt": "2.8.0+cpu"}, find_module=_never)
+        resolve_backend("ccl", _env(), metadata={"torch": TORCH, "oneccl_bind_pt": "2.8.0+cpu"}, find_module=set())
     text = str(info.value)
     assert "oneccl_bind_pt 2.8.0+cpu" in text and TORCH in text
     assert "2.8" in info.value.fix and "CPUDDP_CCL_SKIP_VERSION_CHECK" in info.value.fix
@@ -462,7 +473,7 @@ GLOO_SCRIPT = """
 
 @pytest.mark.timeout(SUBPROCESS_TIMEOUT + 30)
 def test_gloo_two_ranks_stay_on_loopback(tmp_path):
-    runs = _run_ranks(GLOO_SCRIPT, 2, tmp_path)
+    runs = _run_ranks(GLOO_SCRIPT, 2, tmp_path, BACKEND="gloo")  # auto would take shm on one node
     for code, data, log in runs:
         assert code == 0, log
         assert data["sum"] == [3.0] * 4 and data["backend"] == "gloo"
@@ -471,7 +482,7 @@ def test_gloo_two_ranks_stay_on_loopback(tmp_path):
         # single node: every connection gloo and the store made is on loopback
         assert all(is_loopback_address(a) for a in data["peers"] + data["locals"]), data
     # rank 0 says once which backend it picked and why; rank 1 stays quiet
-    assert sum("backend gloo" in line for line in runs[0][2].splitlines()) == 1, runs[0][2]
+    assert sum("cpuddp: backend gloo" in line for line in runs[0][2].splitlines()) == 1, runs[0][2]
     assert "backend gloo" not in runs[1][2]
 
 
@@ -485,44 +496,16 @@ def test_user_gloo_socket_ifname_wins(tmp_path):
 
 # --------------------------------------------------------------------------- oneCCL stand-ins
 
-FAKE_DIST_INFO = "Metadata-Version: 2.1\nName: oneccl_bind_pt\nVersion: {version}\n"
-
-
-def _fake_wheel(root: Path, version: str, module_source: str) -> Path:
-    """A fake installed oneccl_bind_pt: a dist-info directory and the module, under ``root``."""
-    info = root / f"oneccl_bind_pt-{version}.dist-info"
-    info.mkdir(parents=True)
-    (info / "METADATA").write_text(FAKE_DIST_INFO.format(version=version))
-    pkg = root / "oneccl_bindings_for_pytorch"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text(textwrap.dedent(module_source))
-    return root
-
-
-ABORTING_MODULE = """
-    # Stands for a wheel built for another torch: importing it kills the interpreter.
-    import os
-    open(os.environ["IMPORTED_MARKER"], "w").close()
-    os.abort()
-"""
-
-FAKE_CCL_MODULE = """
-    # Stands for the real bindings: registers "ccl" with torch (here on top of gloo).
-    import sys
-    assert "torch" in sys.modules, "torch must be imported before the oneCCL bindings"
-    import torch.distributed as dist
-    def _create(store, rank, size, timeout):
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
-    dist.Backend.register_backend("ccl", _create, devices=["cpu"])
-"""
+# The oneCCL bindings' test double (tests/fake_ccl, see tests/ccl_util.py): registers "ccl"
+# over gloo, or aborts on import as a binding built for another torch does.
 
 
 @pytest.mark.timeout(SUBPROCESS_TIMEOUT + 30)
 def test_mismatched_wheel_is_never_imported(tmp_path):
-    site = _fake_wheel(tmp_path / "site", "2.8.0", ABORTING_MODULE)
+    site = fake_site(tmp_path / "site", "2.8.0")
     marker = tmp_path / "imported"
     script = f"""
-        import json, sys
+        import json, os, sys
         sys.path.insert(0, {str(site)!r})
         import torch
         import cpuddp
@@ -544,20 +527,24 @@ def test_mismatched_wheel_is_never_imported(tmp_path):
                 out[what] = str(exc)
         env = cpuddp.init_distributed(pin=False)
         out["init"] = env.backend
+        out["pid"] = os.getpid()
         cpuddp.shutdown()
         print("RESULT " + json.dumps(out))
     """
     path = tmp_path / "check.py"
     path.write_text(textwrap.dedent(script))
-    proc = subprocess.run([sys.executable, str(path)], env=_clean_env(IMPORTED_MARKER=str(marker)),
-                          capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
+    env = _clean_env(CPUDDP_FAKE_CCL="abort", CPUDDP_FAKE_CCL_MARKER=str(marker), XDG_CACHE_HOME=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert not marker.exists()
     out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    # imported once, by the probe's child (which aborted), never by this process
+    pids = [int(p) for p in marker.read_text().split()]
+    assert len(pids) == 1 and out["pid"] not in pids
     import torch
 
     assert out["status"][0] is False and out["status"][2] == "2.8.0"
     assert "oneccl_bind_pt 2.8.0" in out["status"][1] and torch.__version__ in out["status"][1]
+    assert "killed by SIGABRT" in out["status"][1]
     assert out["auto"].startswith("auto: gloo")
     assert "oneccl_bind_pt 2.8.0" in out["resolve"] and torch.__version__ in out["resolve"]
     assert "refusing to import" in out["load"]
@@ -585,7 +572,7 @@ def test_auto_uses_matching_bindings_end_to_end(tmp_path):
     from packaging.version import Version
 
     rel = Version(torch.__version__).release
-    site = _fake_wheel(tmp_path / "site", f"{rel[0]}.{rel[1]}.0", FAKE_CCL_MODULE)
+    site = fake_site(tmp_path / "site", f"{rel[0]}.{rel[1]}.0")
     runs = _run_ranks(CCL_SCRIPT, 2, tmp_path, FAKE_SITE=str(site))
     for rank, (code, data, log) in enumerate(runs):
         assert code == 0, log
@@ -623,7 +610,7 @@ def _plan(*cpus: int):
 
 def test_ccl_env_torchrun_single_node():
     env = _env(rank=1, world_size=2, local_rank=1, local_world_size=2, launcher="torchrun")
-    assert ccl_env(env, None, {}) == {
+    assert ccl_env(env, None, {}, paths=CclPaths()) == {
         "CCL_LOCAL_RANK": "1",
         "CCL_LOCAL_SIZE": "2",
         "CCL_PROCESS_LAUNCHER": "none",
@@ -636,8 +623,10 @@ def test_ccl_env_torchrun_single_node():
 def test_ccl_env_hydra_multi_node():
     env = _env(rank=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, num_nodes=2, launcher="hydra",
                master_addr="10.0.0.1")
-    out = ccl_env(env, None, {})
-    assert out == {"CCL_LOCAL_RANK": "1", "CCL_LOCAL_SIZE": "2", "CCL_ATL_TRANSPORT": "mpi", "CCL_WORKER_COUNT": "1"}
+    out = ccl_env(env, None, {}, paths=CclPaths())
+    assert out == {"CCL_LOCAL_RANK": "1", "CCL_LOCAL_SIZE": "2", "CCL_ATL_TRANSPORT": "ofi", "CCL_WORKER_COUNT": "1"}
+    intel = {"I_MPI_HYDRA_UUID": "b73", "I_MPI_ROOT": "/opt/intel/oneapi/mpi/latest"}
+    assert ccl_env(env, None, intel, paths=CclPaths())["CCL_ATL_TRANSPORT"] == "mpi"
 
 
 @pytest.mark.parametrize("launcher", ["openmpi", "pmix", "slurm", "mvapich", "env", "none"])
@@ -664,6 +653,19 @@ def test_ccl_env_worker_affinity_from_plan():
     assert "CCL_WORKER_AFFINITY" not in ccl_env(env, _plan(), {})
     assert "CCL_WORKER_AFFINITY" not in ccl_env(env, _plan(7), {"CCL_WORKER_AFFINITY": "auto"})
     assert "CCL_WORKER_AFFINITY" not in ccl_env(env, _plan(6, 7), {})  # two CPUs, one worker
+
+
+def test_ccl_env_workers_share_the_ranks_own_cpus_when_none_are_reserved():
+    from cpuddp.affinity import PinPlan
+
+    # 2 ranks on 2 CPUs: nothing to reserve.  Unset, oneCCL's "auto" would put local rank 0's
+    # worker on CPU 1 (rank 1's compute core) and rank 1's on CPU 0.
+    env = _env(rank=0, world_size=2, local_rank=0, local_world_size=2, launcher="torchrun")
+    plan = PinPlan(local_rank=0, cpus=(0,), num_threads=1, ccl_worker_cpus=(), local_world_size=2)
+    assert ccl_env(env, plan, {}, paths=CclPaths())["CCL_WORKER_AFFINITY"] == "0,0"
+    env1 = env.replace(rank=1, local_rank=1)
+    plan1 = PinPlan(local_rank=1, cpus=(2, 3), num_threads=2, ccl_worker_cpus=(), local_world_size=2)
+    assert ccl_env(env1, plan1, {"CCL_WORKER_COUNT": "2"}, paths=CclPaths())["CCL_WORKER_AFFINITY"] == "3,2,3,2"
 
 
 def test_ccl_env_accepts_the_affinity_helpers_plan():

@@ -200,3 +200,64 @@ def test_header_lines_name_backend_threads_and_versions() -> None:
     for needle in ("backend: gloo", "torch 2.13.0+cpu", "torch threads 1", "OMP_NUM_THREADS=1", "plan: CPUs 0, 1 thread(s)",
                    "9.50 GB/s", "2 more ranks", "in-place", "max over ranks"):
         assert needle in text, needle
+
+
+# --------------------------------------------------------------------------- several backends in one run
+
+
+def test_backend_list_parses_in_order_and_rejects_repeats_and_blanks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _parse("allreduce").backend == ["auto"]
+    assert _parse("allreduce", "--backend", "Gloo, shm").backend == ["gloo", "shm"]
+    for bad in ("gloo,gloo", "gloo,", ""):
+        with pytest.raises(SystemExit):
+            _parse("allreduce", "--backend", bad)
+    assert bench.run(_parse("allreduce", "--backend", "gloo,shm", "--compare-bare"), []) == bench.EXIT_USAGE
+    assert "--compare-bare times one backend" in capsys.readouterr().err
+
+
+def _row(backend_time_us: float, size: int = 1 << 20) -> bench.Row:
+    return make_row("allreduce", 2, size, size // 4, "float32", backend_time_us / 1e6, 0, True)
+
+
+def test_backend_rows_give_the_speed_up_of_each_backend_over_the_first_and_align() -> None:
+    names = ["gloo", "shm", "ccl"]
+    rows = {"gloo": _row(2000.0), "shm": _row(500.0), "ccl": _row(4000.0)}
+    row = bench.backend_row(names, rows, {b: [rows[b].time_us / 1e6] for b in names})
+    assert row["ratio"] == {"shm": 4.0, "ccl": 0.5}
+    assert row["backends"]["shm"]["busbw"] == pytest.approx(rows["shm"].busbw)
+    head = bench.format_backend_head(names)
+    line = bench.format_backend_row(row, names)
+    assert all(h.startswith("#") for h in head)
+    assert len(line) == len(head[0]) == len(head[1])
+    assert "4.00x" in line and line.endswith("0.50x")
+    assert "shm/gloo" in head[0] and "ccl/gloo" in head[0]
+
+
+def _exchange():
+    import torch.distributed as dist
+
+    return bench.exchange_json({"rank": dist.get_rank(), "text": "é" * (dist.get_rank() + 1)})
+
+
+@pytest.mark.slow
+def test_exchange_json_gathers_every_ranks_value_in_order_without_object_collectives() -> None:
+    from cpuddp.testing import run_distributed
+
+    want = [{"rank": 0, "text": "é"}, {"rank": 1, "text": "éé"}]
+    assert run_distributed(_exchange, 2, timeout=120) == [want, want]
+    import inspect
+
+    assert "all_gather_object" not in inspect.getsource(bench._run_rank)
+
+
+def test_bounded_teardown_abandons_a_call_that_hangs(capsys: pytest.CaptureFixture[str]) -> None:
+    import threading
+    import time
+
+    release = threading.Event()
+    start = time.monotonic()
+    assert bench._bounded(lambda: release.wait(30), 0.2, "destroy_process_group") is False
+    assert time.monotonic() - start < 5
+    release.set()
+    assert "destroy_process_group did not return within 0.2 s" in capsys.readouterr().err
+    assert bench._bounded(lambda: None, 5, "x") is True

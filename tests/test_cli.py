@@ -18,6 +18,8 @@ from typing import Mapping, Optional
 
 import pytest
 
+from cpuddp import shm_check
+
 from cpuddp import bench
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +91,8 @@ def test_bench_allreduce_nproc2_outputs(tmp_path: Path) -> None:
     # Only rank 0 prints: one header, and every non-table line is a comment.
     assert sum(line.startswith("# cpuddp bench allreduce") for line in lines) == 1
     assert "2 ranks" in lines[0]
-    for needle in ("# backend: gloo", "# versions: cpuddp", "torch threads", "# memory-copy ceiling",
+    auto = "shm" if shm_check.eligibility(2, os.environ)[0] else "gloo"  # backend="auto" on one node
+    for needle in (f"# backend: {auto}", "# versions: cpuddp", "torch threads", "# memory-copy ceiling",
                    "# Out of bounds values : 0 OK", "# Avg bus bandwidth"):
         assert needle in r.stdout, needle
     rows = table_rows(r.stdout)

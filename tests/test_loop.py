@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,22 @@ def test_shard_dataset_reshuffles_each_epoch():
     loader.set_epoch(0)
     assert _ids(loader) == first  # and is reproducible
     assert _ids(shard(data, batch_size=4, seed=3)) == first
+
+
+def test_epoch_moves_on_only_when_a_pass_ends():
+    loader = shard(TensorDataset(torch.arange(20)), batch_size=4, seed=3)
+    epoch0 = _ids(loader)
+    assert loader.epoch == 1
+    next(iter(loader))  # a peek
+    for _ in loader:  # a pass left early
+        break
+    assert loader.epoch == 1
+    epoch1 = _ids(loader)
+    assert epoch1 != epoch0 and loader.epoch == 2
+    loader.set_epoch(1)  # set_epoch names the next pass's epoch, as DistributedSampler's does
+    assert _ids(loader) == epoch1 and loader.epoch == 2
+    it = iter(loader)
+    assert len(it) == 5  # a pass has the DataLoader iterator's length
 
 
 def test_shard_dataset_no_shuffle_and_drop_last():
@@ -168,6 +185,107 @@ def test_loop_helpers_on_two_ranks(run_distributed, tmp_path):
     assert torch.equal(r0["weight"], r1["weight"])
     assert torch.equal(r0["weight"], torch.load(path, weights_only=True)["weight"])
     assert r0["missing"] == "FileNotFoundError" and r1["missing"] == "CpuddpError"
+
+
+def _peek_then_two_epochs(peeker: int) -> dict:
+    import torch.distributed as dist
+
+    loader = shard(TensorDataset(torch.arange(20)), batch_size=3, seed=7)
+    if dist.get_rank() == peeker:
+        next(iter(loader))  # look at one batch first, e.g. to build the model from its shape
+    return {"epoch0": _ids(loader), "epoch1": _ids(loader), "epoch": loader.epoch}
+
+
+@pytest.mark.timeout(120)
+def test_a_peek_on_one_rank_keeps_the_ranks_partitioned(run_distributed):
+    r0, r1 = run_distributed(_peek_then_two_epochs, 2, args=(0,), timeout=90)
+    for epoch in ("epoch0", "epoch1"):
+        assert sorted(r0[epoch] + r1[epoch]) == list(range(20)), epoch  # no sample twice, none lost
+    assert r0["epoch0"] != r0["epoch1"]  # and each full pass still reshuffles
+    assert r0["epoch"] == r1["epoch"] == 2
+
+
+def _save_fails_on_rank0(path: str) -> dict:
+    import torch.distributed as dist
+
+    model = nn.Linear(2, 1)
+    start = time.monotonic()
+    try:
+        save_state_dict(model, path)
+        out: dict = {"error": None}
+    except Exception as exc:  # noqa: BLE001
+        out = {"error": type(exc).__name__, "message": str(exc)}
+    out["seconds"] = time.monotonic() - start
+    dist.barrier()  # the ranks are still in step: the next collective pairs up
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_save_on_rank0_raises_on_every_rank_at_once(run_distributed, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    # the collective timeout is 30 s; the ranks must not wait for it
+    r0, r1 = run_distributed(_save_fails_on_rank0, 2, args=(str(blocker / "model.pt"),), timeout=30)
+    assert r0["error"] == "FileExistsError"
+    assert r1["error"] == "CpuddpError"
+    assert "failed on rank 0: FileExistsError" in r1["message"] and "a-file" in r1["message"]
+    assert r0["seconds"] < 10 and r1["seconds"] < 10
+
+
+class _WorkerReport(torch.utils.data.Dataset):
+    """Each item: what the DataLoader worker that loaded it runs with."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict:
+        info = torch.utils.data.get_worker_info()
+        try:
+            from threadpoolctl import threadpool_info  # when installed, cpuddp also limits BLAS pools
+            pools = sorted({p["num_threads"] for p in threadpool_info()})
+        except ImportError:
+            pools = None
+        return {"worker": info.id if info else None, "torch_threads": torch.get_num_threads(),
+                "cpus": sorted(os.sched_getaffinity(0)), "omp": os.environ.get("OMP_NUM_THREADS"),
+                "pools": pools, "user_init": os.environ.get("USER_WORKER_INIT")}
+
+
+def _first(batch: list) -> dict:
+    return batch[0]
+
+
+def _user_worker_init(worker_id: int) -> None:
+    os.environ["USER_WORKER_INIT"] = str(worker_id)
+
+
+def _worker_reports(worker_threads) -> dict:
+    from cpuddp import affinity
+
+    kwargs = {} if worker_threads == "default" else {"worker_threads": worker_threads}
+    loader = shard(_WorkerReport(), batch_size=1, num_workers=2, collate_fn=_first,
+                   worker_init_fn=_user_worker_init, **kwargs)
+    return {"plan_cpus": sorted(affinity.current_plan().cpus), "rank_omp": os.environ.get("OMP_NUM_THREADS"),
+            "workers": {item["worker"]: item for item in loader}}
+
+
+@pytest.mark.timeout(120)
+def test_dataloader_workers_run_one_thread_on_the_ranks_cores(run_distributed):
+    # pinned ranks with 2 threads each: a worker inheriting that would run 2 threads per pool
+    ranks = run_distributed(_worker_reports, 2, args=("default",), pin=True, timeout=90,
+                            env={"CPUDDP_NUM_THREADS": "2"})
+    for r in ranks:
+        assert r["rank_omp"] == "2" and len(r["workers"]) == 2
+        for worker_id, w in r["workers"].items():
+            assert w["torch_threads"] == 1 and w["omp"] == "1" and w["pools"] in (None, [1]), w
+            assert w["cpus"] == r["plan_cpus"], w  # the rank's compute CPUs, not another rank's
+            assert w["user_init"] == str(worker_id)  # the user's worker_init_fn still runs, after ours
+    (r0,) = run_distributed(_worker_reports, 1, args=(None,), pin=True, timeout=90, env={"CPUDDP_NUM_THREADS": "2"})
+    assert {w["omp"] for w in r0["workers"].values()} == {"2"}  # worker_threads=None: as torch starts them
+
+
+def test_worker_threads_must_be_a_positive_int():
+    with pytest.raises(PrepareError, match="worker_threads=0"):
+        shard(TensorDataset(torch.arange(4)), worker_threads=0)
 
 
 # --------------------------------------------------------------------------- the example

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The other end of the supported torch range: torch 2.8.0 with intel-extension-for-pytorch 2.8.0
+# (IPEX's last release, which imports only beside torch 2.8.*), in a venv of its own.
+#   bash .ci/ipex.sh install   # fresh venv "$CI_WORK/ipex": torch 2.8.0, IPEX 2.8.0, cpuddp[test,bench,mpi]
+#   bash .ci/ipex.sh test      # the whole suite in it; the IPEX tests must run, not skip
+# PyPI's torch 2.8.0 is the CUDA build: with its nvidia-* dependencies the download is 3.8 GB and
+# the venv 6.9 GB; the step took 383-478 s on the project's 2-vCPU machine (2026-11; it prints
+# its own "install took" line).  Nothing is cached between CI runs; .ci/run starts this step in
+# the background beside the others.  The whole suite in this venv took 862 s (2026-11-23, 2-vCPU AVX2 EPYC).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${CI_WORK:?CI_WORK must be set (by .ci/run)}"
+VENV="$CI_WORK/ipex"
+TORCH=2.8.0
+IPEX=2.8.0
+
+case "${1:-}" in
+  install)
+    start=$SECONDS
+    python3 -m venv "$VENV"
+    # The constraint keeps torch at 2.8.0 through every later pip call (the test extras,
+    # cpuddp itself): pip must never upgrade it to a torch IPEX cannot import beside.
+    echo "torch==$TORCH" > "$VENV/torch-constraint.txt"
+    export PIP_CONSTRAINT="$VENV/torch-constraint.txt"
+    # Download first, into a folder of its own, so that its size is what this step fetched.
+    wheels="$CI_WORK/ipex-wheels"
+    "$VENV/bin/pip" download -q -d "$wheels" "torch==$TORCH" "intel-extension-for-pytorch==$IPEX"
+    downloaded=$(du -sh "$wheels" | cut -f1)
+    "$VENV/bin/pip" install -q --no-index --find-links "$wheels" "torch==$TORCH" "intel-extension-for-pytorch==$IPEX"
+    rm -rf "$wheels"
+    # mpi4py (a binary wheel) with MPICH's libmpi from PyPI: the suite runs with mpi4py present
+    # here and absent in the torch 2.13 venv of .ci/run's phase 2, so both ways are tested.
+    "$VENV/bin/pip" install -q -e ".[test,bench,mpi]" mpich
+    "$VENV/bin/python" - "$TORCH" "$IPEX" <<'EOF'
+import importlib.metadata as md, sys
+torch, ipex = md.version("torch"), md.version("intel-extension-for-pytorch")
+assert torch.split("+")[0] == sys.argv[1], f"pip changed torch to {torch}"
+assert ipex.split("+")[0] == sys.argv[2], f"pip installed IPEX {ipex}"
+print(f"torch {torch}, intel-extension-for-pytorch {ipex}")
+EOF
+    echo "install took $((SECONDS - start)) s; downloaded $downloaded; venv $(du -sh "$VENV" | cut -f1)"
+    ;;
+  test)
+    # CPUDDP_REQUIRE_IPEX=1 turns "IPEX not usable here" skips into failures (tests/test_ipex.py).
+    CPUDDP_REQUIRE_IPEX=1 "$VENV/bin/python" -m pytest -q -rs
+    ;;
+  *) echo "usage: .ci/ipex.sh install|test" >&2; exit 2 ;;
+esac

@@ -1,0 +1,187 @@
+"""DDP training samples/s on the shared-memory backend vs gloo, same ranks count, interleaved runs.
+
+    flock /tmp/cpuddp-heavy.lock python benchmarks/shm_ddp.py            # 2 ranks, 5 repeats
+    python benchmarks/shm_ddp.py --quick                                  # does the script work?
+
+Each run starts ``--nproc`` local ranks (``cpuddp.init_distributed(backend=...)``, default
+pinning) that train the same 11 M-parameter MLP (1024-2048-2048-2048-10, fp32, SGD with
+momentum, DDP with default buckets) on the same synthetic data, each rank its own batch of
+``--batch``.  Per run, each rank measures
+
+* ``samples/s``: every rank's samples over ``--steps`` timed steps after ``--warmup``;
+* ``no-sync samples/s``: the same steps inside ``ddp.no_sync()`` (no allreduce at all), so
+  ``1 - samples/s / no-sync samples/s`` is the share of the step that communication adds
+  (what overlap with backward did not hide);
+* a SHA-256 of the final parameters (equal across backends means bit-identical training).
+
+Backends run interleaved (ABBA) ``--repeats`` times; the summary is the median.  Output:
+``benchmarks/results/shm_ddp.json`` and a Markdown table on stdout (for docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    import ctypes
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import cpuddp
+
+    cpuddp.init_distributed(backend=args.backend)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
+        torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    data = [(torch.randn(args.batch, 1024, generator=gen), torch.randint(0, 10, (args.batch,), generator=gen))
+            for _ in range(8)]
+
+    def step(i: int) -> None:
+        x, y = data[i % len(data)]
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+
+    def timed(sync: bool) -> float:
+        for i in range(args.warmup):
+            step(i)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for i in range(args.steps):
+            if sync:
+                step(i)
+            else:
+                with ddp.no_sync():
+                    step(i)
+        dist.barrier()
+        return n * args.batch * args.steps / (time.perf_counter() - t0)
+
+    sps = timed(True)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    digest = hashlib.sha256(ctypes.string_at(flat.data_ptr(), flat.numel() * 4)).hexdigest()
+    nosync = timed(False)
+    if rank == 0:
+        Path(args.result).write_text(json.dumps({
+            "backend": str(dist.get_backend()), "samples_per_s": sps, "nosync_samples_per_s": nosync,
+            "params_sha256": digest, "params": sum(p.numel() for p in model.parameters()),
+            "threads": torch.get_num_threads()}))
+    cpuddp.shutdown()
+
+
+def run_case(backend: str, opts: argparse.Namespace) -> dict[str, Any]:
+    from cpuddp.bench import child_env, free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        result = os.path.join(tmp, "r.json")
+        port = free_port()
+        cmd = [sys.executable, __file__, "--rank-main", "--backend", backend, "--result", result,
+               "--batch", str(opts.batch), "--steps", str(opts.steps), "--warmup", str(opts.warmup)]
+        procs = [subprocess.Popen(cmd, env=child_env(os.environ, r, opts.nproc, port)) for r in range(opts.nproc)]
+        try:
+            codes = [p.wait(timeout=opts.timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if any(codes):
+            raise SystemExit(f"a {backend} run failed: exit codes {codes}")
+        return json.loads(Path(result).read_text())
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", default="gloo,shm")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32, help="samples per rank and step (default 32)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--out", default=str(RESULTS / "shm_ddp.json"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--backend", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    opts = ap.parse_args(argv)
+    if opts.rank_main:
+        rank_main(opts)
+        return 0
+    if opts.quick:
+        opts.steps, opts.warmup, opts.repeats = 2, 1, 1
+        opts.out = os.path.join(tempfile.mkdtemp(), "shm_ddp.json")
+    backends = opts.backends.split(",")
+    runs: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
+    for i in range(opts.repeats):
+        for b in (backends if i % 2 == 0 else backends[::-1]):
+            r = run_case(b, opts)
+            runs[b].append(r)
+            print(f"# repeat {i + 1}/{opts.repeats} {b}: {r['samples_per_s']:.1f} samples/s "
+                  f"(no-sync {r['nosync_samples_per_s']:.1f})", flush=True)
+    summary = {}
+    for b in backends:
+        sps = [r["samples_per_s"] for r in runs[b]]
+        nos = [r["nosync_samples_per_s"] for r in runs[b]]
+        summary[b] = {"samples_per_s": statistics.median(sps), "min": min(sps), "max": max(sps),
+                      "nosync_samples_per_s": statistics.median(nos),
+                      "comm_share": 1 - statistics.median(sps) / statistics.median(nos),
+                      "digests": sorted({r["params_sha256"] for r in runs[b]})}
+    base = backends[0]
+    cpu = _cpu_model()
+    print(f"\n{opts.nproc} ranks, {runs[base][0]['params'] / 1e6:.1f} M-parameter MLP, batch {opts.batch} per rank, "
+          f"{opts.steps} steps, median of {opts.repeats}; {cpu}\n")
+    print("| backend | samples/s (min-max) | vs " + base + " | no-sync samples/s | communication share of a step | "
+          "parameters |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    ref = summary[base]["digests"]
+    for b in backends:
+        s = summary[b]
+        same = "identical to " + base if s["digests"] == ref and len(ref) == 1 else ("reference" if b == base else "differ")
+        print(f"| {b} | {s['samples_per_s']:.1f} ({s['min']:.1f}-{s['max']:.1f}) | "
+              f"{s['samples_per_s'] / summary[base]['samples_per_s']:.3f}x | {s['nosync_samples_per_s']:.1f} | "
+              f"{s['comm_share']:.1%} | {same if b != base else 'reference'} |")
+    Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(opts.out).write_text(json.dumps({
+        "meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "nproc": opts.nproc,
+                 "batch": opts.batch, "steps": opts.steps, "warmup": opts.warmup, "repeats": opts.repeats,
+                 "python": platform.python_version()},
+        "runs": runs, "summary": summary}, indent=2) + "\n")
+    return 0
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() + f", {os.cpu_count()} vCPUs"
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""One rank of a tests/test_shm.py failure scenario, as a plain torch.distributed program.
+
+``python shm_ranks.py MODE OUTDIR`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set;
+writes ``OUTDIR/rank<r>.json``.  Modes:
+
+* ``init_only``: form the shm group; report its reason or the error.
+* ``peer_dies``: rank 1 kills itself with SIGKILL; rank 0's allreduce must fail at once.
+* ``compare``: allreduce of several dtypes/ops/sizes on the shm group and on a gloo group;
+  report the largest difference and a digest of each shm result (run on 2 namespace hosts x 2).
+* ``peer_stuck``: group timeout 3 s; rank 1 calls allreduce 4.5 s late: rank 0 times out,
+  rank 1 learns of the abort at once, and rank 0's next call fails because the group is broken.
+"""
+
+import datetime
+import glob
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import cpuddp.shm  # noqa: F401  -- registers "shm" with torch.distributed
+
+mode, outdir = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+report: dict = {"rank": rank}
+
+
+def done() -> None:
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    sys.stdout.flush()
+    os._exit(0)  # a peer is dead or stuck: no teardown that could wait for it
+
+
+def timed_allreduce(key: str) -> None:
+    start, cpu = time.monotonic(), time.process_time()
+    try:
+        dist.all_reduce(torch.ones(1000))
+        report.setdefault("completed", []).append(key)
+    except Exception as exc:  # noqa: BLE001 -- the test reads the message
+        report[key] = f"{type(exc).__name__}: {exc}"
+    report.setdefault("seconds", time.monotonic() - start)
+    report.setdefault("cpu_seconds", time.process_time() - cpu)
+
+
+timeout = datetime.timedelta(seconds=3 if mode == "peer_stuck" else 60)
+try:
+    dist.init_process_group("shm", timeout=timeout)
+except Exception as exc:  # noqa: BLE001
+    report["error"] = f"{type(exc).__name__}: {exc}"
+    done()
+report["ok"] = True
+report["reason"] = dist.group.WORLD.reason
+report["segments_after_init"] = glob.glob(f"/dev/shm/cpuddp-shm-*-{os.getppid()}-*") + glob.glob(
+    f"/dev/shm/cpuddp-shm-*-{os.getpid()}-*")
+if mode == "init_only":
+    dist.barrier()  # rank 0 hosts the store: it must not leave before rank 1 has formed the group
+    done()
+
+if mode == "compare":
+    import ctypes
+    import hashlib
+
+    gloo = dist.new_group(backend="gloo")
+    report["digests"], report["max_rel_diff"] = {}, 0.0
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64):
+        for op in ("SUM", "AVG", "MAX", "PRODUCT"):
+            if op == "AVG" and not dtype.is_floating_point:
+                continue
+            for numel in (3, 600001):
+                g = torch.Generator().manual_seed(rank * 31 + numel)
+                base = torch.randn(numel, generator=g, dtype=torch.float64)
+                x = (1 + base / 16 if op == "PRODUCT" else base * 8).to(dtype)
+                a, b = x.clone(), x.clone()
+                dist.all_reduce(a, op=getattr(dist.ReduceOp, op))
+                if op == "AVG":  # gloo has no AVG: SUM, then divide
+                    dist.all_reduce(b, group=gloo)
+                    b = b / dist.get_world_size()
+                else:
+                    dist.all_reduce(b, op=getattr(dist.ReduceOp, op), group=gloo)
+                scale = x.double().abs()  # error relative to the sum of magnitudes (sums may cancel)
+                dist.all_reduce(scale, group=gloo, op=dist.ReduceOp.MAX if op in ("MAX", "MIN") else dist.ReduceOp.SUM)
+                diff = ((a.double() - b.double()).abs() / scale.clamp_min(1e-30)).max().item()
+                report["max_rel_diff"] = max(report["max_rel_diff"], diff)
+                key = f"{dtype}/{op}/{numel}"
+                if diff > {torch.bfloat16: 2e-2, torch.float32: 1e-6, torch.float64: 1e-14}.get(dtype, 0.0):
+                    report.setdefault("bad", []).append(f"{key}: {diff}")
+                report["digests"][key] = hashlib.sha256(ctypes.string_at(a.data_ptr(), a.numel() * a.element_size())).hexdigest()
+    report["shm_calls"] = dist.group.WORLD.shm_calls
+    dist.barrier()
+    done()
+
+dist.all_reduce(torch.ones(10))  # one good call first
+if mode == "peer_dies":
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(0.2)
+    timed_allreduce("error")
+    done()
+
+if mode == "peer_stuck":
+    if rank == 1:
+        time.sleep(4.5)
+        timed_allreduce("error")
+        done()
+    timed_allreduce("error")
+    report["second_error"] = ""
+    try:
+        dist.all_reduce(torch.ones(10))
+    except Exception as exc:  # noqa: BLE001
+        report["second_error"] = str(exc)
+    time.sleep(3)  # stay alive while rank 1 tries
+    done()

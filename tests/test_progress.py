@@ -1,0 +1,171 @@
+"""cpuddp.Progress: the lines it writes (terminal and not), its numbers, rank 0 only, light import."""
+
+from __future__ import annotations
+
+import io
+import math
+import subprocess
+import sys
+
+import pytest
+
+from cpuddp.progress import Progress, ProgressSummary, format_duration
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class TtyStream(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def _run(progress: Progress, clock: Clock, losses: list, seconds_per_step: float = 0.5) -> None:
+    for loss in losses:
+        clock.now += seconds_per_step
+        progress.update(loss=loss)
+
+
+@pytest.mark.parametrize("seconds, text", [(0, "0:00"), (5.4, "0:05"), (65, "1:05"), (3725, "1:02:05"),
+                                           (math.nan, "?"), (-1, "?"), (math.inf, "?")])
+def test_format_duration(seconds, text):
+    assert format_duration(seconds) == text
+
+
+def test_plain_lines_every_n_steps_with_loss_rate_and_eta():
+    clock, out = Clock(), io.StringIO()
+    p = Progress(10, samples_per_step=64, every=5, warmup=1, enabled=True, stream=out, clock=clock)
+    _run(p, clock, [1.0] * 5 + [0.5] * 5)
+    lines = out.getvalue().splitlines()
+    # 4 timed steps of 0.5 s after the warm-up step: 64 * 4 / 2 = 128 samples/s; 5 steps left -> 2.5 s
+    assert lines == [
+        "step  5/10  loss 1.0000  128 samples/s  elapsed 0:02  ETA 0:02",
+        "step 10/10  loss 0.5000  128 samples/s  elapsed 0:05  ETA 0:00",
+    ]
+    assert p.close() == ProgressSummary(steps=10, seconds=5.0, samples_per_s=128.0, loss=0.5)
+
+
+def test_default_every_is_a_tenth_and_the_last_step_always_prints():
+    clock, out = Clock(), io.StringIO()
+    p = Progress(25, enabled=True, stream=out, clock=clock)
+    assert p.every == 2
+    _run(p, clock, [0.7] * 25)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 13 and lines[-1].startswith("step 25/25")
+    assert "steps/s" in lines[-1]  # no samples_per_step: the rate is in steps
+
+
+def test_terminal_redraws_one_line_in_place_and_ends_it():
+    clock, out = Clock(), TtyStream()
+    p = Progress(4, samples_per_step=8, every=2, warmup=0, enabled=True, stream=out, clock=clock)
+    assert p.tty
+    _run(p, clock, [0.9, 0.7, 0.5, 0.3])
+    text = out.getvalue()
+    assert text.count("\r") == 4 and text.endswith("\n") and text.count("\n") == 1
+    frames = [f.rstrip("\n") for f in text.split("\r")[1:]]
+    assert frames[1].startswith("[##########----------] 2/4  loss 0.8000  16.0 samples/s  ETA 0:01")
+    assert frames[-1].startswith("[####################] 4/4  loss 0.4000  16.0 samples/s  took 0:02")
+
+
+def test_terminal_redraws_at_most_ten_times_a_second():
+    clock, out = Clock(), TtyStream()
+    p = Progress(100, enabled=True, stream=out, clock=clock)
+    _run(p, clock, [0.1] * 100, seconds_per_step=0.01)  # 1 s in all
+    assert 5 <= out.getvalue().count("\r") <= 12
+    assert "100/100" in out.getvalue().split("\r")[-1]
+
+
+def test_a_shorter_line_blanks_out_the_longer_one_before_it():
+    clock, out = Clock(), TtyStream()
+    p = Progress(3, warmup=0, enabled=True, stream=out, clock=clock)
+    clock.now += 1
+    p.update(loss=123456.0)
+    clock.now += 1
+    p.update(loss=0.0)  # every=1 here: the loss text shrinks
+    first, second = out.getvalue().split("\r")[1:3]
+    assert len(second) >= len(first)
+
+
+def test_close_before_the_end_finishes_the_terminal_line():
+    clock, out = Clock(), TtyStream()
+    p = Progress(10, warmup=0, enabled=True, stream=out, clock=clock)
+    _run(p, clock, [0.5] * 3)
+    summary = p.close()
+    assert out.getvalue().endswith("\n") and summary.steps == 3
+    assert p.close() is summary
+    with pytest.raises(RuntimeError, match="after close"):
+        p.update()
+
+
+def test_rate_and_eta_unknown_during_warmup():
+    clock, out = Clock(), io.StringIO()
+    p = Progress(10, samples_per_step=4, every=1, warmup=2, enabled=True, stream=out, clock=clock)
+    _run(p, clock, [0.5, 0.5])
+    assert math.isnan(p.rate()) and math.isnan(p.eta())
+    assert out.getvalue().splitlines()[0] == "step  1/10  loss 0.5000  elapsed 0:00  ETA ?"
+    _run(p, clock, [0.5])
+    assert p.rate() == pytest.approx(8.0) and p.eta() == pytest.approx(3.5)
+
+
+def test_disabled_writes_nothing_but_still_measures():
+    clock, out = Clock(), TtyStream()
+    p = Progress(4, samples_per_step=2, every=4, warmup=0, enabled=False, stream=out, clock=clock)
+    with p:
+        _run(p, clock, [1.0, 2.0, 3.0, 4.0])
+    assert out.getvalue() == ""
+    assert p.close().samples_per_s == pytest.approx(4.0) and p.close().loss == pytest.approx(2.5)
+
+
+TORCHRUN_2 = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("environ, main", [
+    ({}, True),
+    (dict(TORCHRUN_2, RANK="0", LOCAL_RANK="0"), True),
+    (dict(TORCHRUN_2, RANK="1", LOCAL_RANK="1"), False),
+])
+def test_only_rank_0_writes_by_default(clean_launcher_env, monkeypatch, environ, main):
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    assert Progress(3).enabled is main
+
+
+def _ranks_progress() -> tuple[bool, str]:
+    buf = io.StringIO()
+    p = Progress(2, enabled=None, stream=buf, every=1)
+    p.update(loss=1.0)
+    p.update(loss=1.0)
+    return p.enabled, buf.getvalue()
+
+
+def test_only_rank_0_writes_in_a_process_group(run_distributed):
+    (main0, out0), (main1, out1) = run_distributed(_ranks_progress, 2, timeout=60)
+    assert main0 and out0.count("\n") == 2
+    assert not main1 and out1 == ""
+
+
+@pytest.mark.parametrize("kwargs, word", [({"total": 0}, "total"), ({"total": 5, "every": 0}, "every"),
+                                          ({"total": 5, "warmup": -1}, "warmup"),
+                                          ({"total": 5, "samples_per_step": 0}, "samples_per_step")])
+def test_bad_arguments_name_the_argument(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        Progress(**kwargs)
+
+
+def test_import_is_light():
+    code = "import sys, cpuddp.progress; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_exported_from_cpuddp():
+    import cpuddp
+
+    assert cpuddp.Progress is Progress and "Progress" in cpuddp.__all__

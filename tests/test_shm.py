@@ -1,0 +1,378 @@
+"""The shared-memory backend (cpuddp.shm): results, delegation, DDP, failure behaviour, eligibility.
+
+Multi-rank tests run real processes (``run_distributed`` or tests/scripts/shm_ranks.py started
+as plain ``torch.distributed`` ranks), each with a timeout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpuddp import shm_check
+from cpuddp.testing import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "shm_ranks.py"
+
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64")
+OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
+#: elements: one, odd, exactly a 1 MiB fp32 slot, several slots plus a ragged tail
+SIZES = (1, 1023, 262144, 600001)
+
+
+# --------------------------------------------------------------------------- rank bodies
+
+
+def _data(rank: int, numel: int, dtype_name: str, op: str):
+    import torch
+
+    g = torch.Generator().manual_seed(rank * 7919 + numel)
+    dtype = getattr(torch, dtype_name)
+    if dtype.is_floating_point:
+        x = torch.randn(numel, generator=g, dtype=torch.float64)
+        if op == "PRODUCT":
+            x = 1.0 + x / 16
+        return x.to(dtype)
+    if op == "PRODUCT":
+        return torch.randint(1, 3, (numel,), generator=g).to(dtype)
+    return torch.randint(0, 50, (numel,), generator=g).to(dtype)
+
+
+def _expected(n: int, numel: int, dtype_name: str, op: str):
+    """Rank-order reduction, as the backend defines it (bit-exact)."""
+    import torch
+
+    parts = [_data(r, numel, dtype_name, op) for r in range(n)]
+    if op == "AVG":
+        parts = [p / n for p in parts]
+    fn = {"SUM": torch.add, "AVG": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum}[op]
+    out = fn(parts[0], parts[1])
+    for p in parts[2:]:
+        out = fn(out, p)
+    return out
+
+
+def _digest(t) -> str:
+    import ctypes
+
+    t = t.contiguous()
+    return hashlib.sha256(ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())).hexdigest()
+
+
+def _matrix(sizes):
+    """Every dtype x op x size through shm: exact against the rank-order reference, digests per case."""
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    pg = dist.group.WORLD
+    out = {}
+    for dtype_name in DTYPES:
+        for op in OPS:
+            if op == "AVG" and not getattr(torch, dtype_name).is_floating_point:
+                continue
+            for numel in sizes:
+                t = _data(rank, numel, dtype_name, op)
+                before = pg.shm_calls
+                dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                assert pg.shm_calls == before + 1, f"{dtype_name} {op} {numel} went to gloo"
+                want = _expected(n, numel, dtype_name, op)
+                assert torch.equal(t, want), f"{dtype_name} {op} {numel}: differs from the rank-order reduction"
+                out[f"{dtype_name}/{op}/{numel}"] = _digest(t)
+    return out
+
+
+def _delegation():
+    """What gloo does for the shm group: other collectives, ops, layouts; keyword arguments."""
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    pg = dist.group.WORLD
+    calls = pg.shm_calls
+    b = torch.full((5,), float(rank))
+    dist.broadcast(b, src=n - 1)
+    assert b.tolist() == [float(n - 1)] * 5
+    got = [torch.zeros(3) for _ in range(n)]
+    dist.all_gather(got, torch.full((3,), float(rank)))
+    assert [g[0].item() for g in got] == [float(r) for r in range(n)]
+    out = torch.zeros(2)
+    dist.reduce_scatter_tensor(out, torch.arange(2 * n, dtype=torch.float32))
+    assert out.tolist() == [float(n * (2 * rank)), float(n * (2 * rank + 1))]
+    dist.barrier()
+    pg.barrier(opts=dist.BarrierOptions()).wait()  # delegated methods take keywords
+    t = torch.tensor([rank + 1], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.BAND)  # not a shm op: gloo
+    want = 1
+    for r in range(2, n + 1):
+        want &= r
+    assert t.item() == want
+    nc = torch.arange(12, dtype=torch.float32).view(3, 4).t()  # not contiguous: gloo
+    dist.all_reduce(nc)
+    assert torch.equal(nc, n * torch.arange(12, dtype=torch.float32).view(3, 4).t())
+    booleans = torch.tensor([rank == 0, True])
+    dist.all_reduce(booleans, op=dist.ReduceOp.MAX)  # bool: gloo
+    assert booleans.tolist() == [True, True]
+    assert pg.shm_calls == calls, "delegated calls went through shm"
+    # async_op and the Work/future interface
+    x = torch.ones(1000)
+    work = dist.all_reduce(x, async_op=True)
+    work.wait()
+    assert work.get_future().value()[0] is x and x[0].item() == n
+    # the pybind overloads: pg.allreduce(tensor), pg.allreduce([tensor], ReduceOp)
+    y = torch.ones(4)
+    pg.allreduce(y).wait()
+    pg.allreduce([y], dist.ReduceOp.MAX).wait()
+    assert y.tolist() == [float(n)] * 4
+    assert pg.shm_calls == calls + 3
+    # a subgroup is a shm group of its own
+    sub = dist.new_group(list(range(n)))
+    z = torch.ones(3)
+    dist.all_reduce(z, group=sub)
+    assert z.tolist() == [float(n)] * 3 and sub.shm_calls == 1
+    assert dist.get_backend() == "shm"
+    return pg.reason
+
+
+def _ddp_vs_gloo(steps: int = 6):
+    """The same DDP training on the shm group and on a gloo group: final parameters' digests."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import cpuddp
+
+    rank = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    digests = {}
+    cases = [(f"{how}/{name}", how, group) for how in ("ddp", "prepare", "prepare-fp16-hook")
+             for name, group in (("shm", None), ("gloo", gloo))]
+    for name, how, group in cases:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                                    torch.nn.ReLU(), torch.nn.Linear(512, 10))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        if how == "ddp":
+            ddp = DDP(model, process_group=group, bucket_cap_mb=1)
+        else:
+            ddp = cpuddp.prepare(model, opt, process_group=group, bucket_cap_mb=1,
+                                 comm_hook="fp16" if how.endswith("hook") else None)
+        gen = torch.Generator().manual_seed(100 + rank)
+        for _ in range(steps):
+            x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(ddp(x), y).backward()
+            opt.step()
+        flat = torch.cat([p.detach().view(-1) for p in model.parameters()])
+        digests[name] = _digest(flat)
+    return digests, dist.group.WORLD.shm_calls
+
+
+# --------------------------------------------------------------------------- tests: 2 ranks
+
+
+@pytest.mark.slow
+def test_two_ranks_every_dtype_and_op_exact_and_identical_across_ranks():
+    res = run_distributed(_matrix, 2, args=(SIZES,), backend="shm", timeout=240)
+    assert res[0] == res[1]
+    assert len(res[0]) == len(SIZES) * (len(DTYPES) * len(OPS) - 5)
+
+
+@pytest.mark.slow
+def test_two_ranks_delegate_the_rest_to_gloo():
+    assert run_distributed(_delegation, 2, backend="shm", timeout=120) == ["shared memory among 2 ranks"] * 2
+
+
+@pytest.mark.slow
+def test_ddp_on_two_ranks_trains_to_the_same_parameters_as_gloo_bit_for_bit():
+    res = run_distributed(_ddp_vs_gloo, 2, backend="shm", timeout=180)
+    (d0, calls0), (d1, calls1) = res
+    assert d0 == d1, "ranks differ"
+    for how in ("ddp", "prepare", "prepare-fp16-hook"):
+        assert d0[f"{how}/shm"] == d0[f"{how}/gloo"], f"{how}: shm and gloo trained to different parameters"
+    assert calls0 == calls1 and calls0 >= 18, "DDP's buckets did not go through shared memory"
+
+
+@pytest.mark.slow
+def test_four_ranks_reduce_scatter_all_gather_exact_and_identical():
+    res = run_distributed(_matrix, 4, args=((1, 5, 600001),), backend="shm", timeout=300)
+    assert all(r == res[0] for r in res)
+
+
+# --------------------------------------------------------------------------- failure behaviour
+
+
+def _launch(n: int, mode: str, tmp_path: Path, *, timeout: float = 90, env: dict | None = None) -> list[dict]:
+    """Start tests/scripts/shm_ranks.py as ``n`` plain torch.distributed ranks; their JSON reports."""
+    from cpuddp.bench import free_port
+    from cpuddp.testing import clean_environ
+
+    port = free_port()
+    procs = []
+    for r in range(n):
+        e = clean_environ(os.environ)
+        e.update(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+                 OMP_NUM_THREADS="1", **(env or {}))
+        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), mode, str(tmp_path)], env=e,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        outs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    reports = []
+    for r, out in enumerate(outs):
+        path = tmp_path / f"rank{r}.json"
+        reports.append(json.loads(path.read_text()) if path.exists() else {"output": out[-3000:]})
+    return reports
+
+
+@pytest.mark.slow
+def test_a_dead_peer_ends_the_waiting_rank_at_once(tmp_path):
+    r0, _ = _launch(2, "peer_dies", tmp_path)
+    assert "error" in r0, r0
+    assert "died" in r0["error"] and "rank(s) [1]" in r0["error"], r0
+    assert r0["seconds"] < 5, r0  # the group timeout is 60 s: the pid check found it
+    assert r0["segments_after_init"] == [], "the segment file outlived the mapping"
+
+
+@pytest.mark.slow
+def test_a_stuck_peer_times_out_at_the_group_timeout_and_learns_of_the_abort(tmp_path):
+    r0, r1 = _launch(2, "peer_stuck", tmp_path)
+    assert "timed out after 3 s" in r0.get("error", ""), r0
+    assert 2.5 < r0["seconds"] < 10, r0
+    assert r0["cpu_seconds"] < 0.5 * r0["seconds"], r0  # it slept while waiting: no core burnt at 100%
+    assert "gave up" in r1.get("error", ""), r1  # the late rank errors at once instead of waiting
+    assert r1["seconds"] < 2, r1
+    assert "broken" in r0.get("second_error", ""), r0
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 64 MiB tmpfs, Docker's default /dev/shm size (needs root)."""
+    where = tmp_path / "shm"
+    where.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount a small tmpfs")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)],
+                             capture_output=True, text=True, timeout=30)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
+
+
+@pytest.mark.slow
+def test_no_room_in_a_64_mib_dev_shm_is_a_clear_error_on_every_rank_not_sigbus(tmp_path, small_tmpfs):
+    reports = _launch(2, "init_only", tmp_path, env={"CPUDDP_SHM_SLOT": "32M", "CPUDDP_SHM_DIR": str(small_tmpfs)})
+    for r in reports:
+        assert f"cannot reserve 128.0 MiB in {small_tmpfs} for 2 local ranks" in r.get("error", ""), r
+        assert "--shm-size" in r["error"] and "backend='gloo'" in r["error"]
+    assert os.listdir(small_tmpfs) == []
+    ok, reason = shm_check.eligibility(2, {"CPUDDP_SHM_SLOT": "32M", "CPUDDP_SHM_DIR": str(small_tmpfs)})
+    assert not ok and "has 64 MiB free, and 2 local ranks need 128.0 MiB" in reason, reason
+
+
+@pytest.mark.slow
+def test_a_segment_left_by_a_dead_creator_is_removed(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    stale = Path(f"/dev/shm/cpuddp-shm-{ns}-{dead.pid}-abc")
+    stale.write_bytes(b"x" * 4096)
+    try:
+        reports = _launch(2, "init_only", tmp_path)
+        assert all(r.get("ok") for r in reports), reports
+        assert not stale.exists()
+    finally:
+        stale.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- eligibility and registration
+
+
+@pytest.mark.parametrize("n, env, machine, free, ok, words", [
+    (2, {}, "x86_64", 1 << 30, True, "2 local ranks on x86_64"),
+    (8, {}, "AMD64", 1 << 30, True, "8 local ranks"),
+    (2, {"CPUDDP_SHM": "0"}, "x86_64", 1 << 30, False, "CPUDDP_SHM=0 opts out"),
+    (1, {}, "x86_64", 1 << 30, False, "1 rank(s)"),
+    (2, {}, "aarch64", 1 << 30, False, "not x86"),
+    (2, {}, "x86_64", None, False, "does not exist"),
+    (2, {}, "x86_64", 1 << 20, False, "has 1 MiB free, and 2 local ranks need 4.0 MiB"),
+    (2, {"CPUDDP_SHM_SLOT": "64M"}, "x86_64", 64 << 20, False, "--shm-size"),
+    (2, {"CPUDDP_SHM_SLOT": "1000"}, "x86_64", 1 << 30, False, "CPUDDP_SHM_SLOT='1000'"),
+])
+def test_eligibility(n, env, machine, free, ok, words):
+    got, reason = shm_check.eligibility(n, env, machine=machine, free_bytes=lambda d: free)
+    assert got is ok and words in reason, reason
+
+
+def test_more_local_ranks_than_node_cpus_is_a_no():
+    # measured: 4 ranks on 2 CPUs ran at 0.06x gloo at 4 MiB (waiting ranks take peers' CPUs)
+    got, reason = shm_check.eligibility(4, {}, machine="x86_64", free_bytes=lambda d: 1 << 40, node_cpus=2)
+    assert not got and "4 local ranks share 2 CPU(s)" in reason
+    got, _ = shm_check.eligibility(2, {}, machine="x86_64", free_bytes=lambda d: 1 << 40, node_cpus=2)
+    assert got
+
+
+def test_reservation_is_two_slots_per_rank_plus_header_and_counter_lines():
+    assert shm_check.reservation_bytes(2, {}) == 4096 + 4096 + 4 * (1 << 20)
+    assert shm_check.reservation_bytes(64, {"CPUDDP_SHM_SLOT": "4K"}) == 4096 + 8192 + 128 * 4096
+
+
+def test_checks_stay_light_and_the_module_registers_once():
+    code = ("import sys, cpuddp.shm_check, cpuddp.backends as b; assert 'torch' not in sys.modules; "
+            "print(b.backend_status('shm').available); "
+            "import cpuddp.shm, importlib, torch.distributed as d; cpuddp.shm.register(); "
+            "importlib.reload(cpuddp.shm); print(d.Backend.backend_list.count('shm'), d.Backend.SHM)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "1", "shm"]
+
+
+# --------------------------------------------------------------------------- two hosts x two ranks
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_two_namespace_hosts_of_two_ranks_match_gloo_and_each_other(tmp_path):
+    sys.path.insert(0, str(REPO / "tests"))
+    from netns_util import veth_pair
+
+    addrs = ("10.78.0.1", "10.78.0.2")
+    with veth_pair("shm", addrs) as pair:
+        procs = []
+        for r in range(4):
+            node = r // 2
+            env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD", "LOCAL", "MASTER"))}
+            env.update(RANK=str(r), WORLD_SIZE="4", MASTER_ADDR=addrs[0], MASTER_PORT="29511",
+                       GLOO_SOCKET_IFNAME=pair.interfaces[node], OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen(["ip", "netns", "exec", pair.namespaces[node], sys.executable, str(SCRIPT),
+                                           "compare", str(tmp_path)], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True))
+        try:
+            outs = [p.communicate(timeout=240)[0] for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) if (tmp_path / f"rank{r}.json").exists()
+               else {"output": outs[r][-3000:]} for r in range(4)]
+    for r in reports:
+        assert r.get("reason") == "shared memory within each of 2 nodes (2 ranks each), gloo between them", r
+        assert "bad" not in r, r["bad"]
+        assert r["shm_calls"] == len(r["digests"])
+    assert all(r["digests"] == reports[0]["digests"] for r in reports), "ranks differ"
