@@ -783,6 +783,30 @@ def header_lines(meta: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+def _size_axis(ax: Any, sizes: list[int], meta: Mapping[str, Any]) -> None:
+    """The memory-copy ceiling line and the log2 size axis both plots share."""
+    c = meta.get("ceiling")
+    if c:
+        ax.axhline(c["gbps"], color="grey", linestyle=":", label=f"memory copy {c['gbps']:.1f} GB/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sizes)
+    ax.set_xticklabels([format_size(s).replace(" ", "\u2009") for s in sizes], rotation=45 if len(sizes) > 9 else 0)
+    ax.minorticks_off()
+    ax.set_xlabel("size")
+
+
+def _finish(fig: Any, ax: Any, title: str, legend_loc: str, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc=legend_loc)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(result: Mapping[str, Any], path: str) -> None:
     """busbw and algbw against size, with the memory-copy ceiling, to a PNG."""
     import matplotlib
@@ -796,22 +820,10 @@ def plot(result: Mapping[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(sizes, [r["busbw"] for r in rows], "o-", label="busbw")
     ax.plot(sizes, [r["algbw"] for r in rows], "s--", alpha=0.6, label="algbw")
-    c = meta.get("ceiling")
-    if c:
-        ax.axhline(c["gbps"], color="grey", linestyle=":", label=f"memory copy {c['gbps']:.1f} GB/s")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes)
-    ax.set_xticklabels([format_size(s).replace(" ", "\u2009") for s in sizes], rotation=45 if len(sizes) > 9 else 0)
-    ax.minorticks_off()
-    ax.set_xlabel("size")
+    _size_axis(ax, sizes, meta)
     ax.set_ylabel("GB/s")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{meta['collective']} {meta['dtype']}, {meta['nranks']} ranks, {meta['backend']}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="center left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(fig, ax, f"{meta['collective']} {meta['dtype']}, {meta['nranks']} ranks, {meta['backend']}",
+            "center left", path)
 
 
 def _out(line: str = "") -> None:
@@ -1155,22 +1167,10 @@ def plot_backends(result: Mapping[str, Any], path: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for b in meta["backends"]:
         ax.plot(sizes, [r["backends"][b]["busbw"] for r in rows], "o-", label=f"{b} busbw")
-    c = meta.get("ceiling")
-    if c:
-        ax.axhline(c["gbps"], color="grey", linestyle=":", label=f"memory copy {c['gbps']:.1f} GB/s")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(sizes)
-    ax.set_xticklabels([format_size(s).replace(" ", "\u2009") for s in sizes], rotation=45 if len(sizes) > 9 else 0)
-    ax.minorticks_off()
-    ax.set_xlabel("size")
+    _size_axis(ax, sizes, meta)
     ax.set_ylabel("busbw (GB/s)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(f"{meta['collective']} {meta['dtype']}, {meta['nranks']} ranks: {', '.join(meta['backends'])}")
-    ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish(fig, ax, f"{meta['collective']} {meta['dtype']}, {meta['nranks']} ranks: {', '.join(meta['backends'])}",
+            "upper left", path)
 
 
 # --------------------------------------------------------------------------- entry points

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Mapping, Optional, Sequence
 
-from .errors import LauncherEnvError
+from .errors import LauncherEnvError, how_it_ended
 
 __all__ = ["ImportVerdict", "check_import", "probe_import", "cache_dir", "package_files", "TIMEOUT_VAR"]
 
@@ -170,17 +170,7 @@ def probe_import(module: str, *, backend: str = "ccl", timeout: float = DEFAULT_
     seconds = time.monotonic() - t0
     if proc.returncode == 0:
         return ImportVerdict(True, "import probe passed", _tail(out), seconds)
-    return ImportVerdict(False, f"the import probe {_how(proc.returncode)}", _tail(out), seconds)
-
-
-def _how(code: int) -> str:
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with code {code}"
+    return ImportVerdict(False, f"the import probe {how_it_ended(proc.returncode)}", _tail(out), seconds)
 
 
 def _tail(raw: Optional[bytes]) -> str:

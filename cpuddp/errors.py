@@ -18,7 +18,24 @@ __all__ = [
     "PrepareError",
     "RankFailedError",
     "first_line",
+    "how_it_ended",
 ]
+
+
+def how_it_ended(code: Optional[int]) -> str:
+    """A child process's exit status in words: "exited with code 3", "was killed by signal 6
+    (SIGABRT)", "ended (exit status unknown)" for None."""
+    if code is None:
+        return "ended (exit status unknown)"
+    if code < 0:
+        import signal
+
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by signal {-code} ({name})"
+    return f"exited with code {code}"
 
 
 def first_line(exc: BaseException) -> str:

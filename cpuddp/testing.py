@@ -79,7 +79,7 @@ import uuid
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
 
-from .errors import RankFailedError
+from .errors import RankFailedError, how_it_ended
 
 __all__ = ["run_distributed", "clean_environ", "is_launcher_variable", "LAUNCHER_ENV_PREFIXES", "LAUNCHER_ENV_NAMES"]
 
@@ -297,7 +297,7 @@ def _failure_error(
     # peer") follow from it.  Otherwise the rank that raised first is the root cause.
     if died:
         root = min(died)
-        msg = f"rank {root} of {n} {_how_it_ended(died[root])} before reporting a result"
+        msg = f"rank {root} of {n} {how_it_ended(died[root])} before reporting a result"
         stack = _trim_stack(_read(stacks[root]))
         tb = f"its Python stack when it crashed:\n{stack}" if stack else None
         fix = (
@@ -315,7 +315,7 @@ def _failure_error(
         msg = f"rank {root} of {n} {what}: {report.summary}"
         tb = report.traceback
         fix = _LOAD_FIX if report.stage == "load" else None
-    also = [f"rank {r} {_how_it_ended(c)}" for r, c in sorted(died.items()) if r != root]
+    also = [f"rank {r} {how_it_ended(c)}" for r, c in sorted(died.items()) if r != root]
     also += [f"rank {r}: {_clip(e.summary)}" for r, e in sorted(errors.items(), key=lambda kv: kv[1].when) if r != root]
     stopped = sorted(set(range(n)) - set(results) - set(errors) - set(died))
     if also:
@@ -397,18 +397,6 @@ def _read(path: str, start: int = 0) -> str:
             return f.read().strip()
     except OSError:
         return ""
-
-
-def _how_it_ended(code: Optional[int]) -> str:
-    if code is None:
-        return "ended (exit status unknown)"
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by signal {-code} ({name})"
-    return f"exited with code {code}"
 
 
 def _ranks(ranks: Sequence[int]) -> str:
