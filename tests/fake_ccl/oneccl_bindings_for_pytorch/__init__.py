@@ -35,8 +35,8 @@ if _mode == "abort":
     os.abort()
 if _mode == "hang":
     print("fake ccl: hanging in import", flush=True)
-    while True:
-        time.sleep(60)
+    while True:  # until the probe's timeout kills this child
+        time.sleep(1)
 
 import torch.distributed as dist  # noqa: E402
 
@@ -61,8 +61,7 @@ def _record():
         seen["worker_tid"] = threading.get_native_id()
         seen["worker_cpus_at_start"] = _cpus(seen["worker_tid"])
         ready.set()
-        while True:
-            time.sleep(3600)
+        threading.Event().wait()  # a daemon thread: lives as long as the process
 
     t = threading.Thread(target=worker, name="fake-ccl-worker", daemon=True)
     t.start()
