@@ -22,8 +22,8 @@ import datetime
 import json
 import os
 import socket
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 from .errors import RendezvousError
 
@@ -73,21 +73,20 @@ class HostRecord:
     cpus: tuple[int, ...]
     local_rank: Optional[int] = None
     local_size: Optional[int] = None
-    facts: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def here(cls, rank: int, local_rank: Optional[int], local_size: Optional[int], **facts: str) -> "HostRecord":
-        return cls(rank, host_identity(), allowed_cpus(), local_rank, local_size, dict(facts))
+    def here(cls, rank: int, local_rank: Optional[int], local_size: Optional[int]) -> "HostRecord":
+        return cls(rank, host_identity(), allowed_cpus(), local_rank, local_size)
 
     def to_json(self) -> str:
         return json.dumps({"rank": self.rank, "host": self.host, "cpus": list(self.cpus),
-                           "local_rank": self.local_rank, "local_size": self.local_size, "facts": dict(self.facts)})
+                           "local_rank": self.local_rank, "local_size": self.local_size})
 
     @classmethod
     def from_json(cls, text: str) -> "HostRecord":
         d = json.loads(text)
         return cls(int(d["rank"]), str(d["host"]), tuple(int(c) for c in d["cpus"]),
-                   d.get("local_rank"), d.get("local_size"), dict(d.get("facts") or {}))
+                   d.get("local_rank"), d.get("local_size"))
 
     @property
     def hostname(self) -> str:
