@@ -175,6 +175,10 @@ class Cluster:
         for d in ("state", "log", "spool"):
             (self.root / d).mkdir(exist_ok=True)
         r = self.root
+        # Job ids differ between clusters: MPICH names its /dev/shm segments after the PMI job
+        # id, and a segment a killed run left under a reused id makes MPI_Init fail ("Out of
+        # memory" in MPIDI_POSIX_comm_bootstrap).
+        self.first_job_id = 1000 + secrets.randbelow(60_000_000)
         nodes = "\n".join(f"NodeName={n.name} NodeAddr={n.addr} CPUs={self.cpus_per_node} State=UNKNOWN" for n in self.nodes)
         self.conf.write_text(f"""\
 ClusterName=cpuddp{self.token}
@@ -187,6 +191,7 @@ AuthType=auth/munge
 CredType=cred/munge
 AuthInfo=socket={self.munge.socket}
 StateSaveLocation={r}/state
+FirstJobId={self.first_job_id}
 SlurmdSpoolDir={r}/spool/%n
 SlurmctldPidFile={r}/slurmctld.pid
 SlurmdPidFile={r}/spool/slurmd-%n.pid
