@@ -17,9 +17,9 @@ MODULE = "oneccl_bindings_for_pytorch"
 
 def fake_site(root: Path, version: Optional[str] = None, *, module_source: Optional[str] = None) -> Path:
     """A site directory holding the double as ``oneccl_bind_pt <version>`` (default: a source
-    build's version, :data:`SOURCE_BUILD_VERSION`); ``module_source`` replaces the double's code
-    (for a module that must behave otherwise)."""
-    version = SOURCE_BUILD_VERSION if version is None else version
+    build's version that mismatches the installed torch, :data:`MISMATCHED_VERSION`);
+    ``module_source`` replaces the double's code (for a module that must behave otherwise)."""
+    version = MISMATCHED_VERSION if version is None else version
     root.mkdir(parents=True, exist_ok=True)
     info = root / f"oneccl_bind_pt-{version}.dist-info"
     info.mkdir()
@@ -40,12 +40,16 @@ def torch_minor_version() -> str:
     return f"{rel[0]}.{rel[1]}.0"
 
 
-def _source_build_version() -> str:
-    """What a source build of intel/torch-ccl says it is (``2.8.0+xpu``) whatever torch it was
-    built for -- made to name another torch than the installed one (``2.7.0+xpu`` on torch 2.8),
-    so it is always a version mismatch."""
-    return "2.7.0+xpu" if torch_minor_version() == "2.8.0" else "2.8.0+xpu"
+#: What a source build of intel/torch-ccl says it is, whatever torch it was built for (the
+#: pure tests pair it with an injected torch 2.13).
+SOURCE_BUILD_VERSION = "2.8.0+xpu"
 
 
-#: A bindings version that names another torch than the installed one (see above).
-SOURCE_BUILD_VERSION = _source_build_version()
+def _mismatched_version() -> str:
+    """A source build's version made to name another torch than the *installed* one
+    (``2.7.0+xpu`` on torch 2.8), so the end-to-end tests always meet a version mismatch."""
+    return "2.7.0+xpu" if torch_minor_version() == "2.8.0" else SOURCE_BUILD_VERSION
+
+
+#: For end-to-end tests on the installed torch (see above); ``fake_site``'s default.
+MISMATCHED_VERSION = _mismatched_version()

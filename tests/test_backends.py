@@ -21,7 +21,7 @@ from types import MappingProxyType, SimpleNamespace
 
 import pytest
 
-from ccl_util import fake_site
+from ccl_util import MISMATCHED_VERSION, fake_site
 from cpuddp.backends import (
     BACKENDS,
     CclPaths,
@@ -502,7 +502,7 @@ def test_user_gloo_socket_ifname_wins(tmp_path):
 
 @pytest.mark.timeout(SUBPROCESS_TIMEOUT + 30)
 def test_mismatched_wheel_is_never_imported(tmp_path):
-    site = fake_site(tmp_path / "site", "2.8.0")
+    site = fake_site(tmp_path / "site", MISMATCHED_VERSION.split("+")[0])
     marker = tmp_path / "imported"
     script = f"""
         import json, os, sys
@@ -542,11 +542,11 @@ def test_mismatched_wheel_is_never_imported(tmp_path):
     assert len(pids) == 1 and out["pid"] not in pids
     import torch
 
-    assert out["status"][0] is False and out["status"][2] == "2.8.0"
-    assert "oneccl_bind_pt 2.8.0" in out["status"][1] and torch.__version__ in out["status"][1]
+    assert out["status"][0] is False and out["status"][2] == MISMATCHED_VERSION.split("+")[0]
+    assert f"oneccl_bind_pt {MISMATCHED_VERSION.split('+')[0]}" in out["status"][1] and torch.__version__.split("+")[0] in out["status"][1]
     assert "(SIGABRT)" in out["status"][1]
     assert out["auto"].startswith("auto: gloo")
-    assert "oneccl_bind_pt 2.8.0" in out["resolve"] and torch.__version__ in out["resolve"]
+    assert f"oneccl_bind_pt {MISMATCHED_VERSION.split('+')[0]}" in out["resolve"] and torch.__version__.split("+")[0] in out["resolve"]
     assert "refusing to import" in out["load"]
     assert out["init"] == "gloo"
 

@@ -44,7 +44,9 @@ def cpuddp(*argv: str, env: Optional[Mapping[str, str]] = None, timeout: float =
 
 
 def table_rows(stdout: str) -> list[list[str]]:
-    return [line.split() for line in stdout.splitlines() if line.strip() and not line.startswith("#")]
+    """The result rows: lines that start with a size (torch 2.8's gloo prints its own
+    "[Gloo] Rank 0 is connected to ..." lines on stdout)."""
+    return [line.split() for line in stdout.splitlines() if line.split() and line.split()[0].isdigit()]
 
 
 # --------------------------------------------------------------------------- top level
@@ -87,7 +89,8 @@ def test_bench_allreduce_nproc2_outputs(tmp_path: Path) -> None:
     r = cpuddp("bench", "allreduce", "--nproc", "2", *TINY,
                "--json", str(out["json"]), "--csv", str(out["csv"]), *(["--plot", str(out["png"])] if plot else []))
     assert r.returncode == 0, r.stdout + r.stderr
-    lines = r.stdout.splitlines()
+    # torch 2.8's gloo prints "[Gloo] Rank 0 is connected to ..." on stdout itself: not ours
+    lines = [line for line in r.stdout.splitlines() if not line.startswith("[Gloo]")]
     # Only rank 0 prints: one header, and every non-table line is a comment.
     assert sum(line.startswith("# cpuddp bench allreduce") for line in lines) == 1
     assert "2 ranks" in lines[0]
