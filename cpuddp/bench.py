@@ -983,11 +983,15 @@ def _plan_text(plan: Any) -> Optional[str]:
     return str(plan)
 
 
+def _write_json(path: str, result: Mapping[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, default=str)
+        f.write("\n")
+
+
 def _write_outputs(args: argparse.Namespace, result: Mapping[str, Any], rows: Sequence[Row]) -> None:
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2, default=str)
-            f.write("\n")
+        _write_json(args.json, result)
     if args.csv:
         with open(args.csv, "w") as f:
             f.write(rows_to_csv(rows))
@@ -1140,9 +1144,7 @@ def _compare_backends(args: argparse.Namespace, shaped: Sequence[tuple[int, int]
         _out(f"# Exit code            : {code}")
         result = {"format": "cpuddp-bench-backends/1", "meta": dict(meta, backends=names), "rows": out_rows}
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2, default=str)
-                f.write("\n")
+            _write_json(args.json, result)
         if args.csv:
             with open(args.csv, "w") as f:
                 f.write("backend," + rows_to_csv([]).splitlines()[0] + "\n")
