@@ -1,14 +1,12 @@
-"""The allreduce sweep behind docs/benchmarks.md, and the no-overhead check.
+"""The allreduce sweep behind docs/benchmarks.md.
 
 Usage (from the repository root)::
 
     python benchmarks/allreduce.py                  # 2 local ranks, gloo, 1 KiB..64 MiB x4,
                                                     # writes benchmarks/results/allreduce_gloo_2ranks.*
-    python benchmarks/allreduce.py --compare-bare   # 16 MiB and 64 MiB: the sweep's timed loop
-                                                    # vs a bare torch.distributed loop, interleaved
     python benchmarks/allreduce.py -- -n 50         # anything after -- goes to `cpuddp bench`
 
-Both are thin wrappers over ``cpuddp bench allreduce`` (see cpuddp/bench.py); the same runs
+It is a thin wrapper over ``cpuddp bench allreduce`` (see cpuddp/bench.py); the same runs
 can be typed by hand, and the exact commands are printed first.
 """
 
@@ -29,7 +27,6 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--compare-bare", action="store_true", help="run the no-overhead comparison instead")
     p.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the results (default benchmarks/results)")
     args = p.parse_args(argv)
@@ -38,12 +35,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"allreduce_gloo_{args.nproc}ranks"
-    if args.compare_bare:
-        cmd = ["allreduce", "--nproc", str(args.nproc), "-b", "16M", "-e", "64M", "-f", "4", "-w", "3", "-n", "10",
-               "--rounds", "10", "--no-ceiling", "--compare-bare", "--json", f"{stem}_compare_bare.json", *extra]
-    else:
-        cmd = ["allreduce", "--nproc", str(args.nproc), "-b", "1K", "-e", "64M", "-f", "4", "-w", "3", "-n", "10",
-               "--json", f"{stem}.json", "--csv", f"{stem}.csv", "--plot", f"{stem}.png", *extra]
+    cmd = ["allreduce", "--nproc", str(args.nproc), "-b", "1K", "-e", "64M", "-f", "4", "-w", "3", "-n", "10",
+           "--json", f"{stem}.json", "--csv", f"{stem}.csv", "--plot", f"{stem}.png", *extra]
     print("# cpuddp bench " + " ".join(shlex.quote(c) for c in cmd), flush=True)
     return bench.main(cmd)
 

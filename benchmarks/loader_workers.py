@@ -88,7 +88,7 @@ def rank_main(args: argparse.Namespace) -> None:
     if env.rank == 0:
         Path(args.result).write_text(json.dumps({
             "samples_per_s": env.world_size * args.batch * args.steps / float(elapsed),
-            "pin_plan": env.pin_plan.as_dict() if env.pin_plan is not None else None,
+            "pin_plan": cpuddp.get_session().chosen()["pin_plan"],
         }))
     del batches
     cpuddp.shutdown()

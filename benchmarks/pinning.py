@@ -30,10 +30,7 @@ import json
 import math
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -58,7 +55,9 @@ def worker(args: argparse.Namespace) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import cpuddp
+    from cpuddp._procs import rank_setup
 
+    rank_setup()  # die with the driver; answer its request for a stack if this rank hangs
     setup = args.setup
     env = cpuddp.init_distributed(backend="gloo", timeout=args.timeout, pin=(setup == "cpuddp"))
     if setup != "cpuddp":
@@ -124,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
             "slowest_s": float(slowest),
             "params": params,
             "ranks": ranks,
-            "pin_plan": env.pin_plan.as_dict() if env.pin_plan is not None else None,
+            "pin_plan": cpuddp.get_session().chosen()["pin_plan"],
         }
         Path(args.result).write_text(json.dumps(result))
     cpuddp.shutdown()
@@ -133,17 +132,10 @@ def worker(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- the driver
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_env(setup: str, rank: int, world: int, port: int, ncpu: int) -> dict[str, str]:
+def _rank_environ(setup: str, world: int, ncpu: int) -> dict[str, str]:
+    """The environment every rank of ``setup`` starts from (the launcher adds the rank variables)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_PREFIXES) and k not in _NAMES}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if setup == "unpinned":
         env["OMP_NUM_THREADS"] = str(max(1, ncpu // world))
     elif setup == "oversubscribed":
@@ -153,37 +145,17 @@ def _rank_env(setup: str, rank: int, world: int, port: int, ncpu: int) -> dict[s
 
 def run_setup(setup: str, args: argparse.Namespace, ncpu: int) -> dict:
     """Start ``args.world`` ranks for one run of ``setup``; return rank 0's result."""
-    port = _free_port()
+    from _ranks import run_ranks
+
     with tempfile.TemporaryDirectory(prefix="cpuddp-pinbench-") as tmp:
         result = Path(tmp) / "result.json"
         argv = [sys.executable, os.path.abspath(__file__), "--worker", "--setup", setup, "--result", str(result)]
         for name in ("steps", "warmup", "batch", "seq", "vocab", "d_model", "heads", "layers", "timeout"):
             argv += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-        procs = [
-            subprocess.Popen(argv, env=_rank_env(setup, r, args.world, port, ncpu), start_new_session=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-            for r in range(args.world)
-        ]
-        deadline = time.monotonic() + args.timeout
-        outputs = [""] * len(procs)
-        try:
-            for i, p in enumerate(procs):
-                try:
-                    outputs[i], _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    # A rank stuck in teardown after the result was written still counts.
-                    if not result.exists():
-                        raise
-        except subprocess.TimeoutExpired:
-            pass
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+        codes = run_ranks(argv, args.world, args.timeout, environ=_rank_environ(setup, args.world, ncpu))
+        # A rank stuck in teardown after the result was written still counts.
         if not result.exists():
-            tail = "\n".join(o[-3000:] for o in outputs if o)
-            raise RuntimeError(f"{setup}: no result within {args.timeout} s (exit codes {[p.returncode for p in procs]})\n{tail}")
+            raise RuntimeError(f"{setup}: no result within {args.timeout} s (exit codes {codes}; their stderr is above)")
         return json.loads(result.read_text())
 
 

@@ -12,6 +12,10 @@ momentum, DDP with default buckets) on the same synthetic data, each rank its ow
 * ``no-sync samples/s``: the same steps inside ``ddp.no_sync()`` (no allreduce at all), so
   ``1 - samples/s / no-sync samples/s`` is the share of the step that communication adds
   (what overlap with backward did not hide);
+* ``allreduces alone``: DDP's own gradient buckets (same sizes and order) all-reduced back
+  to back with nothing else running, ms per step; with the step time added by communication
+  (sync minus no-sync) it gives the share of the allreduce time backward hid
+  (``1 - added / alone``);
 * a SHA-256 of the final parameters (equal across backends means bit-identical training).
 
 Backends run interleaved (ABBA) ``--repeats`` times; the summary is the median.  Output:
@@ -26,7 +30,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +42,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def rank_main(args: argparse.Namespace) -> None:
     import ctypes
+
+    from cpuddp._procs import rank_setup
+
+    rank_setup()  # die with the driver; answer its request for a stack if this rank hangs
 
     import torch
     import torch.distributed as dist
@@ -82,30 +89,48 @@ def rank_main(args: argparse.Namespace) -> None:
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     digest = hashlib.sha256(ctypes.string_at(flat.data_ptr(), flat.numel() * 4)).hexdigest()
     nosync = timed(False)
+    comm = comm_seconds(ddp, args)
     if rank == 0:
         Path(args.result).write_text(json.dumps({
             "backend": str(dist.get_backend()), "samples_per_s": sps, "nosync_samples_per_s": nosync,
+            "comm_ms_per_step": comm * 1e3, "buckets": len(ddp.reducer._get_zeros_like_grad_buckets()),
             "params_sha256": digest, "params": sum(p.numel() for p in model.parameters()),
             "threads": torch.get_num_threads()}))
     cpuddp.shutdown()
 
 
+def comm_seconds(ddp: Any, args: argparse.Namespace) -> float:
+    """Seconds per step of DDP's allreduces alone: every gradient bucket DDP formed (same
+    sizes, same order), all-reduced back to back with no backward running, the slowest rank's
+    mean over ``--steps``."""
+    import torch
+    import torch.distributed as dist
+
+    buckets = [b.buffer() for b in ddp.reducer._get_zeros_like_grad_buckets()]  # private: DDP's bucket buffers
+
+    def once() -> None:
+        for b in buckets:
+            dist.all_reduce(b)
+
+    for _ in range(args.warmup):
+        once()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        once()
+    took = torch.tensor([(time.perf_counter() - t0) / args.steps])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took.item())
+
+
 def run_case(backend: str, opts: argparse.Namespace) -> dict[str, Any]:
-    from cpuddp.bench import child_env, free_port
+    from _ranks import run_ranks
 
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "r.json")
-        port = free_port()
         cmd = [sys.executable, __file__, "--rank-main", "--backend", backend, "--result", result,
                "--batch", str(opts.batch), "--steps", str(opts.steps), "--warmup", str(opts.warmup)]
-        procs = [subprocess.Popen(cmd, env=child_env(os.environ, r, opts.nproc, port)) for r in range(opts.nproc)]
-        try:
-            codes = [p.wait(timeout=opts.timeout) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        codes = run_ranks(cmd, opts.nproc, opts.timeout)
         if any(codes):
             raise SystemExit(f"a {backend} run failed: exit codes {codes}")
         return json.loads(Path(result).read_text())
@@ -147,21 +172,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         summary[b] = {"samples_per_s": statistics.median(sps), "min": min(sps), "max": max(sps),
                       "nosync_samples_per_s": statistics.median(nos),
                       "comm_share": 1 - statistics.median(sps) / statistics.median(nos),
+                      **_overlap(runs[b], opts),
                       "digests": sorted({r["params_sha256"] for r in runs[b]})}
     base = backends[0]
     cpu = _cpu_model()
     print(f"\n{opts.nproc} ranks, {runs[base][0]['params'] / 1e6:.1f} M-parameter MLP, batch {opts.batch} per rank, "
           f"{opts.steps} steps, median of {opts.repeats}; {cpu}\n")
     print("| backend | samples/s (min-max) | vs " + base + " | no-sync samples/s | communication share of a step | "
-          "parameters |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          "allreduces alone, ms/step | added to a step, ms | hidden by backward | parameters |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     ref = summary[base]["digests"]
     for b in backends:
         s = summary[b]
         same = "identical to " + base if s["digests"] == ref and len(ref) == 1 else ("reference" if b == base else "differ")
         print(f"| {b} | {s['samples_per_s']:.1f} ({s['min']:.1f}-{s['max']:.1f}) | "
               f"{s['samples_per_s'] / summary[base]['samples_per_s']:.3f}x | {s['nosync_samples_per_s']:.1f} | "
-              f"{s['comm_share']:.1%} | {same if b != base else 'reference'} |")
+              f"{s['comm_share']:.1%} | {s['comm_alone_ms']:.1f} | {s['comm_added_ms']:.1f} | {_hidden_text(s['hidden_share'])} | "
+              f"{same if b != base else 'reference'} |")
     Path(opts.out).parent.mkdir(parents=True, exist_ok=True)
     Path(opts.out).write_text(json.dumps({
         "meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "nproc": opts.nproc,
@@ -169,6 +196,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                  "python": platform.python_version()},
         "runs": runs, "summary": summary}, indent=2) + "\n")
     return 0
+
+
+def _overlap(runs: Sequence[dict[str, Any]], opts: argparse.Namespace) -> dict[str, float]:
+    """Medians of: DDP's allreduces alone (ms per step); what communication added to a step
+    (step time minus no-sync step time, ms); the share of the allreduce time that backward hid
+    (1 - added / alone; 0 = none hidden, negative = a step paid more than the allreduces)."""
+    per_step = opts.nproc * opts.batch  # samples per step
+    alone = [r["comm_ms_per_step"] for r in runs]
+    added = [1e3 * per_step * (1 / r["samples_per_s"] - 1 / r["nosync_samples_per_s"]) for r in runs]
+    hidden = [1 - a / c for a, c in zip(added, alone)]
+    return {"comm_alone_ms": statistics.median(alone), "comm_added_ms": statistics.median(added),
+            "hidden_share": statistics.median(hidden)}
+
+
+def _hidden_text(share: float) -> str:
+    """A negative share means a step paid more than the allreduces themselves: none hidden."""
+    return f"{share:.0%}" if share > 0 else f"none ({share:.0%})"
 
 
 def _cpu_model() -> str:

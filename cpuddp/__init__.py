@@ -7,11 +7,18 @@
 ``import cpuddp`` is light: it imports neither torch nor any optional package (IPEX, the
 oneCCL bindings, mpi4py, transformers, py-cpuinfo).  Each public name is loaded from its
 module on first use.
+
+The top level holds what a training script uses (README.md, "Public API"); introspection
+and extension details stay in their submodules (``cpuddp.backends``, ``cpuddp.launchers``,
+``cpuddp.topology``, ``cpuddp.affinity``).  ``_EXPORTS`` below is the one list: ``__all__``
+is built from it, and tests/test_api.py pins it, the TYPE_CHECKING imports and the
+deprecated aliases together.
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -20,12 +27,22 @@ __version__ = "0.1.0"
 _EXPORTS = {
     # env / launchers
     "DistEnv": "env",
-    "detect": "env",
+    "detect": "launchers",
+    "register_launcher": "launchers",
     # distributed
     "init_distributed": "distributed",
     "shutdown": "distributed",
     "get_env": "distributed",
+    "get_session": "distributed",
+    "Session": "distributed",
     "session": "distributed",
+    # where this process sits, before or after init; rank-0 output
+    "get_rank": "ranks",
+    "get_world_size": "ranks",
+    "get_local_rank": "ranks",
+    "get_local_world_size": "ranks",
+    "print0": "ranks",
+    "log0": "ranks",
     # prepare and the loop helpers
     "prepare": "preparation",
     "PrepareInfo": "preparation",
@@ -33,7 +50,7 @@ _EXPORTS = {
     "unwrap": "preparation",
     "shard": "loop",
     "ShardedLoader": "loop",
-    "autocast": "loop",
+    "autocast_for": "loop",
     "reduce_mean": "loop",
     "is_main_process": "loop",
     "barrier": "loop",
@@ -43,20 +60,10 @@ _EXPORTS = {
     "ProgressSummary": "progress",
     # backends
     "available_backends": "backends",
-    "backend_status": "backends",
-    "resolve_backend": "backends",
     "register_backend": "backends",
-    "unregister_backend": "backends",
-    "BackendStatus": "backends",
-    "BackendChoice": "backends",
-    # pinning and topology
+    # pinning
     "PinPlan": "affinity",
-    "plan_for": "affinity",
-    "current_plan": "affinity",
     "pinned": "affinity",
-    "Topology": "topology",
-    "read_topology": "topology",
-    "cpu_features": "topology",
     # errors
     "CpuddpError": "errors",
     "LauncherEnvError": "errors",
@@ -66,16 +73,38 @@ _EXPORTS = {
     "RankFailedError": "errors",
 }
 
+# Deprecated top-level names (one release): old name -> (module, name there).  They still
+# resolve, with a DeprecationWarning naming the new path, but are not in __all__ or dir().
+_DEPRECATED = {
+    "BackendStatus": ("backends", "BackendStatus"),
+    "BackendChoice": ("backends", "BackendChoice"),
+    "resolve_backend": ("backends", "resolve_backend"),
+    "backend_status": ("backends", "backend_status"),
+    "unregister_backend": ("backends", "unregister_backend"),
+    "Topology": ("topology", "Topology"),
+    "read_topology": ("topology", "read_topology"),
+    "cpu_features": ("topology", "cpu_features"),
+    "plan_for": ("affinity", "plan_for"),
+    "current_plan": ("affinity", "current_plan"),
+    "autocast": ("loop", "autocast_for"),
+}
+
 __all__ = sorted(["__version__", *_EXPORTS])
 
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'cpuddp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"cpuddp.{module}"), name)
-    globals()[name] = value
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(f"cpuddp.{module}"), name)
+        globals()[name] = value
+        return value
+    if name in _DEPRECATED:
+        module, new = _DEPRECATED[name]
+        path = f"cpuddp.{new}" if new in _EXPORTS else f"cpuddp.{module}.{new}"
+        warnings.warn(f"cpuddp.{name} is deprecated and goes in the next release; use {path}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(f"cpuddp.{module}"), new)
+    raise AttributeError(f"module 'cpuddp' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
@@ -83,21 +112,15 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
-    from .distributed import get_env, init_distributed, session, shutdown
-    from .backends import (
-        BackendChoice,
-        BackendStatus,
-        available_backends,
-        backend_status,
-        register_backend,
-        resolve_backend,
-        unregister_backend,
-    )
-    from .affinity import PinPlan, current_plan, pinned, plan_for
-    from .env import DistEnv, detect
+    from .distributed import Session, get_env, get_session, init_distributed, session, shutdown
+    from .ranks import get_local_rank, get_local_world_size, get_rank, get_world_size, log0, print0
+    from .backends import available_backends, register_backend
+    from .affinity import PinPlan, pinned
+    from .env import DistEnv
+    from .launchers import detect, register_launcher
     from .loop import (
         ShardedLoader,
-        autocast,
+        autocast_for,
         barrier,
         is_main_process,
         load_state_dict,
@@ -106,7 +129,7 @@ if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
         shard,
     )
     from .preparation import PrepareInfo, prepare, prepared_info, unwrap
-    from .topology import Topology, cpu_features, read_topology
+    from .progress import Progress, ProgressSummary
     from .errors import (
         BackendError,
         CpuddpError,

@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of the ``cpuddp`` console script; returns the exit code."""
+    from . import _procs
+
+    _procs.rank_setup()  # a rank started by `cpuddp bench --nproc`: die with it, answer SIGUSR1 with a stack
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.command == "doctor":

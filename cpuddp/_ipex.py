@@ -39,23 +39,22 @@ class IpexProbe:
 def check_versions(ipex_version: Optional[str], torch_version: str) -> IpexProbe:
     """Pure decision: is IPEX ``ipex_version`` safe to import beside torch ``torch_version``?
 
-    IPEX requires the same major.minor as torch (``2.8.0+cpu`` pairs with ``2.8.*``).
-    Local version labels (``+cpu``, ``+cu128``) are ignored.
+    IPEX requires the same major.minor as torch (``2.8.0+cpu`` pairs with ``2.8.*``): the rule
+    of :func:`cpuddp._compat.torch_pairing`, which ignores local labels (``+cpu``, ``+cu128``).
     """
-    from packaging.version import InvalidVersion, Version
+    from ._compat import torch_pairing
 
     if ipex_version is None:
         return IpexProbe(False, None, torch_version, f"{DIST_NAME} is not installed")
-    try:
-        iv, tv = Version(ipex_version), Version(torch_version)
-    except InvalidVersion as exc:
-        return IpexProbe(False, ipex_version, torch_version, f"unparsable version: {exc}")
-    if iv.release[:2] != tv.release[:2]:
+    pairing = torch_pairing(ipex_version, torch_version)
+    if pairing.error is not None:
+        return IpexProbe(False, ipex_version, torch_version, f"unparsable version: {pairing.error}")
+    if not pairing.ok:
         return IpexProbe(
             False,
             ipex_version,
             torch_version,
-            f"{DIST_NAME} {ipex_version} is built for torch {iv.major}.{iv.minor}.*, "
+            f"{DIST_NAME} {ipex_version} is built for {pairing.built_for}.*, "
             f"but torch {torch_version} is installed (importing it would exit the interpreter)",
         )
     return IpexProbe(True, ipex_version, torch_version, f"{DIST_NAME} {ipex_version} matches torch {torch_version}")

@@ -2,16 +2,17 @@
 
 Usage::
 
-    plan = cpuddp.affinity.plan_for(cpuddp.env.detect(os.environ))   # decide, change nothing
+    plan = cpuddp.affinity.plan_for(cpuddp.detect(os.environ))       # decide, change nothing
     print(plan.as_dict())
     with cpuddp.affinity.pinned(plan):                                # apply, then restore
         train()
 
 :func:`cpuddp.init_distributed` does ``plan_for`` + ``apply_plan`` by default (``pin=False``
-opts out) and puts the plan in ``DistEnv.pin_plan``; :func:`current_plan` returns the plan
-in force.
+opts out) and keeps the plan in its session (``cpuddp.get_session().pin_plan``);
+:func:`current_plan` returns the plan in force.
 
-The rules (:func:`plan_pinning`, a pure function of a :class:`~cpuddp.topology.Topology`):
+The rules (:func:`plan_pinning`, a pure function of a :class:`~cpuddp.topology.Topology`,
+in :mod:`cpuddp.affinity_plan` with :class:`PinPlan` and its :class:`PinWarning` records):
 
 - Each local rank gets whole physical cores from the usable set (allowed ∩ online ∩ cgroup
   cpuset), disjoint from every other local rank's.  Placement depends only on (topology,
@@ -23,9 +24,10 @@ The rules (:func:`plan_pinning`, a pure function of a :class:`~cpuddp.topology.T
 - Hyperthread siblings go unused (``use_hyperthreads=True`` uses them), unless there are
   more local ranks than physical cores; then one logical CPU per rank.  More ranks than
   logical CPUs: ranks share CPUs, one thread each, and a warning gives the numbers.
-- Backend ``ccl``: the first ``CCL_WORKER_COUNT`` (default 1) cores of each rank's share go
-  to oneCCL's workers (``CCL_WORKER_AFFINITY``), when the share has more than that; else
-  the workers share the compute cores, with a warning.
+- Backend ``ccl``: the first ``CCL_WORKER_COUNT`` (default 1; read by
+  :func:`cpuddp.affinity_ccl.worker_count`, which refuses what oneCCL refuses, e.g. 0) cores
+  of each rank's share go to oneCCL's workers (``CCL_WORKER_AFFINITY``), when the share has
+  more than that; else the workers share the compute cores, with a warning.
 - Threads = CPUs in the plan, capped by the rank's part of a cgroup CPU quota.
 
 The user wins (:func:`plan_for`):
@@ -58,13 +60,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, MutableMapping, NamedTuple, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, MutableMapping, Optional, Sequence
 
-from .errors import LauncherEnvError
+from .affinity_ccl import worker_count
+from .affinity_plan import KMP_AFFINITY, KMP_BLOCKTIME, WARNING_CODES, PinPlan, PinWarning, plan_pinning
 from .hosts import pairwise_disjoint
+from .launcher_parsers import positive_int
 from .topology import Topology, format_cpulist, read_topology
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -72,6 +75,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "PinPlan",
+    "PinWarning",
+    "WARNING_CODES",
     "PinState",
     "plan_pinning",
     "plan_for",
@@ -88,247 +93,7 @@ __all__ = [
 
 log = logging.getLogger("cpuddp.affinity")
 
-#: Exported for Intel OpenMP (libiomp5) in child processes: one thread per CPU of the mask,
-#: in order.  GNU OpenMP (PyPI torch) ignores the KMP_* variables.
-KMP_AFFINITY = "granularity=fine,compact,1,0"
-#: Intel OpenMP: spin 1 ms after a parallel region instead of 200 ms (IPEX's launcher default).
-KMP_BLOCKTIME = "1"
-
 _OFF = ("0", "off", "no", "disable", "disabled", "false")
-
-
-@dataclass(frozen=True)
-class PinPlan:
-    """Where one local rank runs.
-
-    ``cpus``: logical CPUs for compute (the affinity mask).  ``num_threads``: torch / OpenMP
-    threads.  ``ccl_worker_cpus``: CPUs reserved for oneCCL's workers.  ``reason``: how the
-    plan was reached, in one line.  ``warnings``: what the user should know (logged once).
-    ``env``: variables to export.  ``replace_env``: those among them whose current value
-    came from a launcher's default, not the user, and may be overwritten.
-    """
-
-    local_rank: int
-    cpus: tuple[int, ...]
-    num_threads: int
-    ccl_worker_cpus: tuple[int, ...] = ()
-    reason: str = ""
-    warnings: tuple[str, ...] = ()
-    env: Mapping[str, str] = field(default_factory=dict, hash=False)
-    replace_env: tuple[str, ...] = ()
-    local_world_size: int = 1
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "cpus", tuple(sorted(self.cpus)))
-        object.__setattr__(self, "ccl_worker_cpus", tuple(self.ccl_worker_cpus))
-        object.__setattr__(self, "warnings", tuple(self.warnings))
-        object.__setattr__(self, "replace_env", tuple(self.replace_env))
-        object.__setattr__(self, "env", dict(self.env))  # a plain dict pickles; a proxy does not
-
-    def as_dict(self) -> dict[str, Any]:
-        """Plain data for JSON and logs."""
-        return {
-            "local_rank": self.local_rank,
-            "local_world_size": self.local_world_size,
-            "cpus": list(self.cpus),
-            "cpulist": format_cpulist(self.cpus),
-            "num_threads": self.num_threads,
-            "ccl_worker_cpus": list(self.ccl_worker_cpus),
-            "reason": self.reason,
-            "warnings": list(self.warnings),
-            "env": dict(self.env),
-            "replace_env": list(self.replace_env),
-        }
-
-
-# --------------------------------------------------------------------------- the pure planner
-
-
-class _Unit(NamedTuple):
-    """What gets dealt to ranks: a physical core (or one logical CPU when sharing cores)."""
-
-    socket: int
-    numa: int
-    cpus: tuple[int, ...]
-
-
-def _units(topo: Topology, logical: bool, with_siblings: bool) -> list[_Unit]:
-    out: list[_Unit] = []
-    for siblings in topo.cores().values():
-        first = topo.cpu(siblings[0])
-        if logical:
-            out.extend(_Unit(first.socket, first.numa, (c,)) for c in siblings)
-        else:
-            out.append(_Unit(first.socket, first.numa, siblings if with_siblings else siblings[:1]))
-    return out
-
-
-def _n(count: int, plural: str) -> str:
-    """``_n(1, "cores")`` -> ``"1 core"``; ``_n(1, "logical CPUs")`` -> ``"1 logical CPU"``."""
-    return f"{count} {plural[:-1] if count == 1 and plural.endswith('s') else plural}"
-
-
-def _deal(sizes: list[int], n: int) -> list[int]:
-    """Deal ``n >= len(sizes)`` ranks to groups: one each, then each extra rank to the group
-    whose cores per rank would stay highest (ties: the first group)."""
-    counts = [1] * len(sizes)
-    for _ in range(n - len(sizes)):
-        i = max(range(len(sizes)), key=lambda i: (sizes[i] / (counts[i] + 1), -i))
-        counts[i] += 1
-    return counts
-
-
-def _by(units: list[_Unit], key: str) -> list[list[_Unit]]:
-    groups: dict[int, list[_Unit]] = {}
-    for u in units:
-        groups.setdefault(getattr(u, key), []).append(u)
-    return [groups[k] for k in groups]  # insertion order = (socket, numa, core) order
-
-
-def _share(units: list[_Unit], n: int, slot: int, levels: tuple[str, ...] = ("socket", "numa")) -> tuple[list[_Unit], str]:
-    """Slot ``slot`` of ``n``'s units: split by ``levels[0]`` when there are at least as many
-    ranks as groups (and more than one group), then recurse; else contiguous blocks."""
-    if levels:
-        groups = _by(units, levels[0])
-        if 1 < len(groups) <= n:
-            counts = _deal([len(g) for g in groups], n)
-            start = 0
-            for g, c in zip(groups, counts):
-                if slot < start + c:
-                    mine, how = _share(g, c, slot - start, levels[1:])
-                    return mine, f"split by {'socket' if levels[0] == 'socket' else 'NUMA node'}" + (
-                        f", {how}" if how.startswith("split") else ""
-                    )
-                start += c
-        return _share(units, n, slot, levels[1:])
-    q, rem = divmod(len(units), n)
-    start = slot * q + min(slot, rem)
-    return units[start : start + q + (1 if slot < rem else 0)], "contiguous blocks"
-
-
-def plan_pinning(
-    topo: Topology,
-    local_rank: int,
-    local_world_size: int,
-    *,
-    ccl_workers: int = 0,
-    omp_num_threads: Optional[int] = None,
-    use_hyperthreads: bool = False,
-    bound_by: Optional[str] = None,
-) -> PinPlan:
-    """The plan for ``local_rank`` of ``local_world_size`` on ``topo`` (pure).
-
-    ``omp_num_threads``: the user's explicit thread count (wins over the core count).
-    ``bound_by``: name of the launcher that already bound this rank to ``topo.allowed``; the
-    plan then uses that whole set (see the module docstring).  Raises ValueError for a
-    local rank outside ``[0, local_world_size)`` or an empty usable set.
-    """
-    L, r = int(local_world_size), int(local_rank)
-    if L < 1 or not 0 <= r < L:
-        raise ValueError(f"local_rank={local_rank} and local_world_size={local_world_size}: need 0 <= local_rank < local_world_size")
-    if ccl_workers < 0:
-        raise ValueError(f"ccl_workers={ccl_workers}: must be >= 0")
-    if omp_num_threads is not None and omp_num_threads < 1:
-        raise ValueError(f"omp_num_threads={omp_num_threads}: must be >= 1")
-    usable = topo.usable
-    if not usable:
-        raise ValueError(
-            f"no usable CPUs: allowed {format_cpulist(topo.allowed)!r} and online "
-            f"{format_cpulist(topo.online)!r} do not overlap"
-        )
-    warnings: list[str] = []
-    ncores = len(topo.cores())
-    ranks, slot = (1, 0) if bound_by else (L, r)
-    kind = "cores"
-    units = _units(topo, logical=False, with_siblings=use_hyperthreads)
-    if ranks > len(units) and len(usable) > len(units):
-        units = _units(topo, logical=True, with_siblings=False)
-        kind = "logical CPUs"
-        warnings.append(
-            f"{L} local ranks but only {ncores} physical cores in CPUs {format_cpulist(usable)}: "
-            f"using hyperthread siblings, so ranks share cores"
-        )
-
-    if ranks > len(units):
-        mine, how = [units[slot % len(units)]], "oversubscribed: ranks share CPUs round-robin"
-        warnings.append(
-            f"oversubscribed: {L} local ranks on {len(units)} {kind} (CPUs {format_cpulist(usable)}): "
-            f"ranks share CPUs, 1 thread each. Fix: start at most {len(units)} ranks per node, or give the job more CPUs"
-        )
-        shares = [1]
-    else:
-        mine, how = _share(units, ranks, slot)
-        shares = [len(_share(units, ranks, s)[0]) for s in range(ranks)]
-        if min(shares) * 1.25 < max(shares):
-            warnings.append(
-                f"local ranks get unequal shares ({min(shares)} to {max(shares)} {kind}): {len(units)} {kind} "
-                f"in {len(_by(units, 'socket'))} socket(s) do not divide evenly among {ranks} ranks; "
-                f"DDP runs at the pace of the smallest. Fix: use a rank count that divides each socket's cores"
-            )
-    if bound_by:
-        how = f"inside the set {bound_by} bound this rank to"
-
-    compute, ccl = mine, []
-    if ccl_workers:
-        if len(mine) > ccl_workers:
-            ccl, compute = mine[:ccl_workers], mine[ccl_workers:]
-        else:
-            warnings.append(
-                f"CCL_WORKER_COUNT={ccl_workers} but local rank {r} has only {len(mine)} {kind}: "
-                f"no CPUs reserved for oneCCL workers, they share the compute CPUs. "
-                f"Fix: fewer ranks per node, or CCL_WORKER_COUNT below the cores per rank"
-            )
-    cpus = tuple(sorted(c for u in compute for c in u.cpus))
-    ccl_cpus = tuple(u.cpus[0] for u in ccl)
-    threads = len(cpus)
-    notes = [f"local rank {r} of {L}: {_n(len(compute), kind)} ({how})"]
-    if ccl_cpus:
-        notes.append(f"{len(ccl_cpus)} reserved for oneCCL workers (CPUs {format_cpulist(ccl_cpus)})")
-    if not use_hyperthreads and kind == "cores" and len(usable) > ncores:
-        notes.append("hyperthread siblings unused")
-
-    if bound_by:
-        node_cores = len(topo.cores(topo.base))
-        fair = max(1, node_cores // L)
-        if threads > fair:
-            threads = fair
-            notes.append(
-                f"the bound set has more cores than this rank's share of the node "
-                f"({node_cores} cores / {L} ranks) and may be shared: {_n(fair, 'threads')}"
-            )
-    if topo.quota is not None:
-        cap = max(1, math.floor(topo.quota / L + 1e-9))
-        if threads > cap:
-            threads = cap
-            notes.append(f"cgroup quota {topo.quota:g} CPUs / {L} ranks: {_n(cap, 'threads')}")
-    if omp_num_threads is not None:
-        threads = omp_num_threads
-        notes.append(f"{_n(threads, 'threads')} as the user asked")
-        if threads > len(cpus):
-            warnings.append(
-                f"{threads} threads asked for local rank {r}, which is pinned to {len(cpus)} CPUs "
-                f"({format_cpulist(cpus)}): threads will share CPUs"
-            )
-    else:
-        notes.append(_n(threads, "threads"))
-
-    env = {"OMP_NUM_THREADS": str(threads), "KMP_AFFINITY": KMP_AFFINITY, "KMP_BLOCKTIME": KMP_BLOCKTIME}
-    if ccl_cpus:
-        env["CCL_WORKER_COUNT"] = str(len(ccl_cpus))
-        # oneCCL reads one list for all local workers (worker i of local rank r takes entry
-        # r * count + i) and rejects other lengths; each process reads only its own slots, so
-        # this rank's CPUs fill every slot (the same string cpuddp.backends.ccl_env writes).
-        env["CCL_WORKER_AFFINITY"] = ",".join(map(str, ccl_cpus * L))
-    return PinPlan(
-        local_rank=r,
-        cpus=cpus,
-        num_threads=threads,
-        ccl_worker_cpus=ccl_cpus,
-        reason="; ".join(notes),
-        warnings=tuple(warnings),
-        env=env,
-        local_world_size=L,
-    )
 
 
 # --------------------------------------------------------------------------- the user wins
@@ -359,21 +124,45 @@ def launcher_binding(environ: Mapping[str, str], launcher: str) -> Optional[str]
     return None
 
 
-def _positive_int(environ: Mapping[str, str], var: str, *, minimum: int = 1) -> int:
-    raw = environ[var]
-    text = raw.split(",")[0].strip()  # OMP_NUM_THREADS may list nested levels: "8,2"
-    try:
-        value = int(text)
-    except ValueError:
-        value = minimum - 1
-    if value < minimum:
-        raise LauncherEnvError(
-            f"{var} must be an integer >= {minimum} for core pinning",
-            variable=var,
-            value=raw,
-            fix=f"set {var} to an integer >= {minimum}, or unset it to let cpuddp choose",
-        )
-    return value
+def _positive_int(environ: Mapping[str, str], var: str) -> int:
+    return positive_int(environ[var], var, first_of_list=True,
+                        why=f"{var} must be an integer >= 1 for core pinning",
+                        fix=f"set {var} to an integer >= 1, or unset it to let cpuddp choose")
+
+
+def _user_threads(env: "DistEnv", environ: Mapping[str, str], notes: list[str], replace: list[str]) -> Optional[int]:
+    """The user's thread count: ``CPUDDP_NUM_THREADS``, else ``OMP_NUM_THREADS`` unless it is
+    torchrun's own default (then it goes in ``replace``); None when neither applies."""
+    if environ.get("CPUDDP_NUM_THREADS", "").strip():
+        return _positive_int(environ, "CPUDDP_NUM_THREADS")
+    if not environ.get("OMP_NUM_THREADS", "").strip():
+        return None
+    if env.launcher == "torchrun" and environ["OMP_NUM_THREADS"].strip() == "1" and env.local_world_size > 1:
+        # torchrun sets OMP_NUM_THREADS=1 itself when it is unset and nproc_per_node > 1
+        # (torch/distributed/run.py), so "1" there is torchrun's choice, not the user's.
+        replace.append("OMP_NUM_THREADS")
+        notes.append("OMP_NUM_THREADS=1 taken as torchrun's default and replaced (CPUDDP_NUM_THREADS=1 keeps it)")
+        return None
+    return _positive_int(environ, "OMP_NUM_THREADS")
+
+
+def _bound_by(env: "DistEnv", environ: Mapping[str, str], topo: Topology,
+              local_cpus: Optional[Sequence[frozenset[int]]], notes: list[str]) -> Optional[str]:
+    """Who already bound this rank (the plan then stays inside its set), or None."""
+    L = env.local_world_size
+    if L > 1 and local_cpus is not None and len(local_cpus) == L and pairwise_disjoint(local_cpus):
+        who = launcher_binding(environ, env.launcher) or "the launcher or a wrapper (numactl/taskset per rank)"
+        return f"{who}: the {L} local ranks' allowed CPU sets are disjoint (this rank: CPUs {format_cpulist(topo.usable)})"
+    if not topo.usable < topo.base:
+        return None
+    bound_by = launcher_binding(environ, env.launcher)
+    if bound_by:
+        return f"{bound_by} (CPUs {format_cpulist(topo.usable)})"
+    notes.append(
+        f"allowed CPUs {format_cpulist(topo.usable)} narrower than the node's "
+        f"{format_cpulist(topo.base)} with no per-rank binding (taskset/numactl around the job?): split among local ranks"
+    )
+    return None
 
 
 def plan_for(
@@ -399,35 +188,9 @@ def plan_for(
     notes: list[str] = []
     replace: list[str] = []
 
-    omp: Optional[int] = None
-    if environ.get("CPUDDP_NUM_THREADS", "").strip():
-        omp = _positive_int(environ, "CPUDDP_NUM_THREADS")
-    elif environ.get("OMP_NUM_THREADS", "").strip():
-        if env.launcher == "torchrun" and environ["OMP_NUM_THREADS"].strip() == "1" and L > 1:
-            # torchrun sets OMP_NUM_THREADS=1 itself when it is unset and nproc_per_node > 1
-            # (torch/distributed/run.py), so "1" there is torchrun's choice, not the user's.
-            replace.append("OMP_NUM_THREADS")
-            notes.append("OMP_NUM_THREADS=1 taken as torchrun's default and replaced (CPUDDP_NUM_THREADS=1 keeps it)")
-        else:
-            omp = _positive_int(environ, "OMP_NUM_THREADS")
-
-    ccl_workers = 0
-    if backend in ("ccl", "oneccl"):
-        ccl_workers = _positive_int(environ, "CCL_WORKER_COUNT", minimum=0) if environ.get("CCL_WORKER_COUNT", "").strip() else 1
-
-    bound_by = None
-    if L > 1 and local_cpus is not None and len(local_cpus) == L and pairwise_disjoint(local_cpus):
-        who = launcher_binding(environ, env.launcher) or "the launcher or a wrapper (numactl/taskset per rank)"
-        bound_by = f"{who}: the {L} local ranks' allowed CPU sets are disjoint (this rank: CPUs {format_cpulist(topo.usable)})"
-    elif topo.usable < topo.base:
-        bound_by = launcher_binding(environ, env.launcher)
-        if bound_by:
-            bound_by = f"{bound_by} (CPUs {format_cpulist(topo.usable)})"
-        else:
-            notes.append(
-                f"allowed CPUs {format_cpulist(topo.usable)} narrower than the node's "
-                f"{format_cpulist(topo.base)} with no per-rank binding (taskset/numactl around the job?): split among local ranks"
-            )
+    omp = _user_threads(env, environ, notes, replace)
+    ccl_workers = worker_count(environ) if backend in ("ccl", "oneccl") else 0
+    bound_by = _bound_by(env, environ, topo, local_cpus, notes)
     plan = plan_pinning(
         topo,
         env.local_rank,
@@ -535,8 +298,8 @@ def apply_plan(
     them."""
     global _current
     environ = os.environ if environ is None else environ
-    for msg in plan.warnings:
-        _warn_once(msg)
+    for warning in plan.warnings:
+        _warn_once(str(warning))
     prev_aff = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
     err = _set_affinity(plan.cpus, threads) if plan.cpus else "empty plan"
     if err:
@@ -609,7 +372,7 @@ def pinned(plan: Optional[PinPlan] = None, *, environ: Optional[MutableMapping[s
     and restores affinity, threads and variables on exit, even on error."""
     environ = os.environ if environ is None else environ
     if plan is None:
-        from .env import detect
+        from .launchers import detect
 
         plan = plan_for(detect(environ), environ=environ)
     state = apply_plan(plan, environ)

@@ -10,7 +10,8 @@ pays (a few seconds), and a rebuild or a new torch asks again.
 
 Several ranks on one host start at once: the first takes a lock file beside the cache entry
 and probes; the others wait for its verdict.  The entry is written to a temporary file and
-renamed into place, so a reader never sees half of one.  A cache directory that cannot be
+renamed into place, so a reader never sees half of one (both through
+:mod:`cpuddp.backend_cache`).  A cache directory that cannot be
 written costs a probe per start, nothing else.
 
 Environment variables read: ``XDG_CACHE_HOME`` (the cache is ``$XDG_CACHE_HOME/cpuddp``,
@@ -22,19 +23,18 @@ the standard library.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
+from .backend_cache import atomic_write_text, locked
 from .errors import LauncherEnvError, how_it_ended
 
 __all__ = ["ImportVerdict", "check_import", "probe_import", "cache_dir", "package_files", "TIMEOUT_VAR"]
@@ -209,7 +209,7 @@ def check_import(module: str, torch_version: str, *, backend: str = "ccl",
         root.mkdir(parents=True, exist_ok=True)
     except OSError:
         return probe_import(module, backend=backend, timeout=timeout, environ=environ, python=python, path=path)
-    with _locked(entry.with_suffix(".lock"), wait=timeout + 30.0):
+    with locked(entry.with_suffix(".lock"), wait=timeout + 30.0):
         cached = _read(entry, key)  # another rank may have probed while this one waited
         if cached is not None:
             return cached
@@ -232,39 +232,4 @@ def _read(entry: Path, key: dict) -> Optional[ImportVerdict]:
 
 def _write(entry: Path, key: dict, verdict: ImportVerdict) -> None:
     data = {"key": key, "verdict": asdict(verdict), "written": time.time()}
-    try:
-        fd, tmp = tempfile.mkstemp(dir=entry.parent, prefix=entry.name, suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, entry)
-    except OSError:
-        with contextlib.suppress(OSError, UnboundLocalError):
-            os.unlink(tmp)
-
-
-@contextlib.contextmanager
-def _locked(path: Path, *, wait: float) -> Iterator[bool]:
-    """Hold an exclusive lock on ``path`` for the block (waiting at most ``wait`` seconds;
-    then, or when the lock cannot be taken at all, run the block unlocked)."""
-    import fcntl
-
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield False
-        return
-    try:
-        deadline = time.monotonic() + wait
-        held = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                held = True
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        yield held
-    finally:
-        os.close(fd)  # releases the lock
+    atomic_write_text(entry, json.dumps(data, indent=1))  # an unwritable cache costs a probe per start

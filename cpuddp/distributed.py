@@ -3,8 +3,12 @@
 Usage::
 
     env = cpuddp.init_distributed()        # under mpirun, torchrun, srun, Kubeflow or plain python
+    cpuddp.get_session().backend           # what init chose: the backend, the pinning plan
     ...
     cpuddp.shutdown()                      # or: with cpuddp.session() as env: ...
+
+:class:`~cpuddp.env.DistEnv` (``env``) says where the launcher put this process;
+:class:`Session` adds what init chose for it.
 
 The order, and why:
 
@@ -20,6 +24,7 @@ The order, and why:
    ranks compare their choices through the store, so they never form mismatched groups.
 5. **Plan and pin** (:mod:`cpuddp.affinity`): the compute threads -- this thread and every
    thread that existed before init, OpenMP's pool among them -- go to the rank's own cores.
+   The ranks then say "ready" through the store.
 6. **Form the group** with this thread temporarily allowed on every CPU the process was
    given, so the backend's communication threads (gloo's, oneCCL's, the store's) start
    there and are never re-pinned (oneCCL pins its workers itself, from
@@ -61,70 +66,68 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, MutableMapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Optional
 
 from . import hosts
 from ._compat import TESTED_TORCH, check_torch_version, older_than_tested
-from .env import DistEnv
-from .errors import BackendError, LauncherEnvError, RendezvousError, first_line
+from .env import DistEnv, Provenance, Source
+from .errors import BackendError, RendezvousError, first_line
+from .launcher_exports import DEFAULT_TIMEOUT, Exports, Timeout
+from .launcher_exports import configure_logging as _configure_logging
+from .launcher_exports import timeout_from as _timeout
 from .launchers import detect
 from .rendezvous import local_address, mpi_master_addr, open_store
 
-__all__ = ["init_distributed", "shutdown", "get_env", "session", "DEFAULT_TIMEOUT", "local_address"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .affinity import PinPlan
+    from .backends import BackendChoice
+
+__all__ = ["init_distributed", "shutdown", "get_env", "get_session", "Session", "session", "DEFAULT_TIMEOUT",
+           "local_address"]
 
 log = logging.getLogger("cpuddp")
 
-#: Default bound, in seconds, on the rendezvous and on every collective.
-DEFAULT_TIMEOUT = 300.0
 #: How long :func:`shutdown` waits for torch's own teardown before giving up on it.
 SHUTDOWN_TIMEOUT = 10.0
 
-Timeout = Union[float, int, datetime.timedelta]
+
+@dataclass(frozen=True)
+class Session:
+    """The process group :func:`init_distributed` formed (or adopted): where the launcher put
+    this process (``env``) and what init chose for it -- the ``backend`` name and the
+    ``pin_plan`` in force (None with ``pin=False`` or an adopted group)."""
+
+    env: DistEnv
+    backend: str
+    pin_plan: Optional["PinPlan"] = None
+
+    def __post_init__(self) -> None:
+        self.env._attach_session(self)  # DistEnv.backend / .pin_plan forward here (deprecated)
+
+    def chosen(self) -> dict[str, Any]:
+        """``backend`` and ``pin_plan`` as plain data."""
+        plan = self.pin_plan
+        return {"backend": self.backend, "pin_plan": plan.as_dict() if plan is not None else None}
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data: the env's fields and sources, the backend and the plan."""
+        return {**self.env.as_dict(), **self.chosen()}
 
 
 @dataclass
-class _Session:
+class _Undo:
     """What one :func:`init_distributed` put in place, for :func:`shutdown` (or a failed
     init) to undo."""
 
     generation: int
-    exported: list[tuple[MutableMapping[str, str], str, Optional[str], str]] = field(default_factory=list)
+    exports: Exports = field(default_factory=Exports)
     keep: Any = None  # keeps the store (and its listening socket) alive with the group
     pin_state: Any = None
-    env: Optional[DistEnv] = None
-
-    def export(self, environ: MutableMapping[str, str], values: Mapping[str, str], *, reason: str,
-               strict: bool = False) -> None:
-        """Export ``values``.  ``strict``: these must describe this process, so a differing
-        user value is replaced (with a warning); otherwise the user's value wins (logged at
-        debug)."""
-        for key, value in values.items():
-            old = environ.get(key)
-            if old == value:
-                continue
-            if old is not None and not strict:
-                log.debug("cpuddp: keeping the user's %s=%r (cpuddp would set %r: %s)", key, old, value, reason)
-                continue
-            if old is not None:
-                log.warning("cpuddp: %s was %r; setting it to %r (%s)", key, old, value, reason)
-            self.exported.append((environ, key, old, value))
-            environ[key] = value
-
-    def unexport(self) -> None:
-        """Put back what :meth:`export` changed, newest first, unless changed since."""
-        for environ, key, old, value in reversed(self.exported):
-            if environ.get(key) != value:
-                continue
-            if old is None:
-                environ.pop(key, None)
-            else:
-                environ[key] = old
-        self.exported.clear()
 
 
 _lock = threading.RLock()
-_state: Optional[DistEnv] = None
-_session: Optional[_Session] = None
+_current: Optional[Session] = None
+_undo_log: Optional[_Undo] = None
 _generation = 0
 #: Set when torch's teardown of our group did not return: that group cannot be reused.
 _abandoned: Optional[str] = None
@@ -133,7 +136,13 @@ _atexit_registered = False
 
 def get_env() -> Optional[DistEnv]:
     """The :class:`DistEnv` of the current process group, or None before :func:`init_distributed`."""
-    return _state
+    return None if _current is None else _current.env
+
+
+def get_session() -> Optional[Session]:
+    """The current :class:`Session` (env, backend, pinning plan), or None before
+    :func:`init_distributed`."""
+    return _current
 
 
 def init_distributed(
@@ -152,9 +161,10 @@ def init_distributed(
     launcher's variables from and to export the rank variables to (default ``os.environ``;
     see the module docstring for the backend's variables).
 
-    Safe to call twice: a second call returns the current :class:`DistEnv`.
+    Safe to call twice: a second call returns the current :class:`DistEnv`.  What init chose
+    (backend, pinning plan) is in :func:`get_session`.
     """
-    global _state, _session, _generation
+    global _current, _undo_log, _generation
     with _lock:
         environ = os.environ if environ is None else environ
         _configure_logging(environ)
@@ -165,28 +175,40 @@ def init_distributed(
 
         _check_torch()
         if dist.is_initialized():
-            return _adopt(env)
-        _destroy_group(SHUTDOWN_TIMEOUT)  # clears a stale "abandoned" mark once the group is gone
-        if _session is not None:  # the user destroyed our group themselves: finish the job
-            _undo(_session)
-            _state, _session = None, None
+            return _adopt(env).env
+        _clear_stale()
         if env.master_addr == "":
             env = env.replace(master_addr=mpi_master_addr(env))
         _generation += 1
-        sess = _Session(_generation)
+        undo = _Undo(_generation)
         try:
-            env = _join(env, backend, td, pin, environ, sess)
+            current = _join(env, backend, td, pin, environ, undo)
         except BaseException:
-            _undo(sess)
+            _undo(undo)
             raise
-        _state, _session = env, sess
+        _current, _undo_log = current, undo
         _register_atexit()
-        if env.is_main:
-            log.info(
-                "cpuddp: rank %d of %d ready (launcher %s, backend %s, %d node(s), rendezvous %s:%d)",
-                env.rank, env.world_size, env.launcher, env.backend, env.num_nodes, env.master_addr, env.master_port,
-            )
-        return env
+        _log_ready(current)
+        return current.env
+
+
+def _clear_stale() -> None:
+    """No group exists: forget one that is gone -- torch's teardown that finished late, or
+    our group that the user destroyed themselves (finish the job: undo our changes)."""
+    global _current, _undo_log
+    _destroy_group(SHUTDOWN_TIMEOUT)  # clears a stale "abandoned" mark once the group is gone
+    if _undo_log is not None:
+        _undo(_undo_log)
+        _current, _undo_log = None, None
+
+
+def _log_ready(current: Session) -> None:
+    env = current.env
+    if env.is_main:
+        log.info(
+            "cpuddp: rank %d of %d ready (launcher %s, backend %s, %d node(s), rendezvous %s:%d)",
+            env.rank, env.world_size, env.launcher, current.backend, env.num_nodes, env.master_addr, env.master_port,
+        )
 
 
 def _check_torch() -> None:
@@ -203,10 +225,10 @@ def _check_torch() -> None:
     check_torch_version(log)
 
 
-def _adopt(env: DistEnv) -> DistEnv:
+def _adopt(env: DistEnv) -> Session:
     """The group already exists: ours (return it), a dead one of ours (refuse), or one the
     user made with torch's own ``init_process_group`` (adopt it)."""
-    global _state
+    global _current
     import torch.distributed as dist
 
     if _abandoned is not None:
@@ -215,37 +237,28 @@ def _adopt(env: DistEnv) -> DistEnv:
             "a new one cannot be formed beside it",
             fix="restart the process (a peer probably died mid-collective); in a notebook, restart the kernel",
         )
-    if _state is not None:
+    if _current is not None:
         log.debug("init_distributed: already initialized; returning the current DistEnv")
-        return _state
-    env = env.replace(rank=dist.get_rank(), world_size=dist.get_world_size(), backend=dist.get_backend())
-    _state = env
-    log.debug("init_distributed: adopting an existing process group: %s", env)
-    return env
+        return _current
+    env = env.replace(rank=dist.get_rank(), world_size=dist.get_world_size())
+    _current = Session(env, backend=str(dist.get_backend()))
+    log.debug("init_distributed: adopting an existing process group: %s (backend %s)", env, _current.backend)
+    return _current
 
 
 def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
-          environ: MutableMapping[str, str], sess: _Session) -> DistEnv:
-    """Steps 2-6 of the module docstring."""
-    from . import affinity, backends
+          environ: MutableMapping[str, str], undo: _Undo) -> Session:
+    """Steps 2-6 of the module docstring: meet, gather, agree, plan and pin, form, check."""
+    from . import affinity
 
     before = affinity.thread_ids()  # the compute threads (this one, OpenMP's) and the user's
     wide = hosts.allowed_cpus() or None  # where communication threads may run
-    store = None
-    if env.world_size > 1:
-        rdv = open_store(env, td, environ)
-        store, sess.keep = rdv.store, rdv.keep
-    step = f"cpuddp/init{sess.generation}"
+    store = _meet(env, td, environ, undo)
+    step = f"cpuddp/init{undo.generation}"
     try:
         env, local_cpus = _gather_layout(env, store, f"{step}/host", td)
-        node_cpus = len(frozenset().union(*local_cpus)) if local_cpus else len(hosts.allowed_cpus()) or None
-        choice = _agree_backend(backend, env, store, f"{step}/backend", td, environ, node_cpus)
-        plan = affinity.plan_for(env, backend=choice.name, environ=environ, local_cpus=local_cpus) if pin else None
-        sess.export(environ, env.exported(), reason="describes this process to torch and child processes", strict=True)
-        sess.export(os.environ, backends.backend_env(env, choice.name, plan, os.environ), reason="backend setting")
-        backends.load_backend(choice)
-        if plan is not None:
-            sess.pin_state = affinity.apply_plan(plan, os.environ, threads=before)
+        choice = _agree_backend(backend, env, store, f"{step}/backend", td, environ, _node_cpus(local_cpus))
+        plan = _plan_and_pin(env, choice, pin, environ, local_cpus, before, undo)
         if store is not None:
             hosts.exchange(store, f"{step}/ready", env.rank, env.world_size, "ok", td, what="ready")
     except BaseException as exc:
@@ -253,24 +266,55 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
             for name in ("host", "backend", "ready"):
                 hosts.publish_error(store, f"{step}/{name}", env.rank, exc)
         raise
-    env = env.replace(backend=choice.name, pin_plan=plan)
     with affinity.thread_affinity(wide):
         _form_group(env, choice.name, store, td)
         _first_collective(env, choice.name)
         if store is not None:
             from . import watchdog
 
-            watchdog.start(env, sess.keep)
-    return env
+            watchdog.start(env, undo.keep)
+    return Session(env, backend=choice.name, pin_plan=plan)
 
 
-_LAYOUT_SOURCE = "derived: hosts gathered at init"
+def _meet(env: DistEnv, td: datetime.timedelta, environ: Mapping[str, str], undo: _Undo) -> Any:
+    """Step 2: the job's store (None for a world of one); ``undo`` keeps it alive."""
+    if env.world_size == 1:
+        return None
+    rdv = open_store(env, td, environ)
+    undo.keep = rdv.keep
+    return rdv.store
+
+
+def _node_cpus(local_cpus: Optional[tuple[frozenset[int], ...]]) -> Optional[int]:
+    """How many CPUs the ranks of this node may use between them (None: unknown)."""
+    if local_cpus:
+        return len(frozenset().union(*local_cpus))
+    return len(hosts.allowed_cpus()) or None
+
+
+def _plan_and_pin(env: DistEnv, choice: "BackendChoice", pin: bool, environ: MutableMapping[str, str],
+                  local_cpus: Optional[tuple[frozenset[int], ...]], before: Any, undo: _Undo) -> Optional["PinPlan"]:
+    """Step 5: plan the pinning, export the rank's and the backend's variables, load the
+    backend, then pin the compute threads (``before``) to the plan."""
+    from . import affinity, backends
+
+    plan = affinity.plan_for(env, backend=choice.name, environ=environ, local_cpus=local_cpus) if pin else None
+    undo.exports.export(environ, env.exported(), reason="describes this process to torch and child processes",
+                        strict=True)
+    undo.exports.export(os.environ, backends.backend_env(env, choice.name, plan, os.environ), reason="backend setting")
+    backends.load_backend(choice)
+    if plan is not None:
+        undo.pin_state = affinity.apply_plan(plan, os.environ, threads=before)
+    return plan
+
+
+_LAYOUT_SOURCE = Provenance.derived("hosts gathered at init")
 
 
 def _gather_layout(env: DistEnv, store: Any, name: str,
                    td: datetime.timedelta) -> tuple[DistEnv, Optional[tuple[frozenset[int], ...]]]:
-    """Gather every rank's host and CPUs; return ``env`` with the layout they show, and the
-    allowed CPU sets of the ranks on this host (local-rank order; None for a world of 1)."""
+    """Step 3: gather every rank's host and CPUs; return ``env`` with the layout they show,
+    and the allowed CPU sets of the ranks on this host (local-rank order; None for a world of 1)."""
     if store is None:
         return env, None
     mine = hosts.HostRecord.here(env.rank, env.local_rank, env.local_world_size)
@@ -293,8 +337,8 @@ def _apply_layout(env: DistEnv, lay: hosts.Layout) -> DistEnv:
         return env
     sources = dict(env.sources)
     for key, value in changes.items():
-        said = sources.get(key, "")
-        told = said and not said.startswith(("derived", "default"))
+        said = sources.get(key)
+        told = said is not None and said.kind in (Source.VARIABLE, Source.PENDING)
         (log.warning if told and env.is_main else log.info)(
             "cpuddp: %s %d from the hosts gathered at init, not %d (%s)", key, value, getattr(env, key), said or "default",
         )
@@ -324,8 +368,9 @@ def _agree_backend(requested: str, env: DistEnv, store: Any, name: str, td: date
 
 
 def _size_var(env: DistEnv) -> str:
-    var = env.sources.get("world_size", "")
-    return var if var and not var.startswith(("derived", "default")) else "WORLD_SIZE"
+    """The variable the world size came from, for messages (``WORLD_SIZE`` when none did)."""
+    said = env.sources.get("world_size")
+    return said.detail if said is not None and said.from_variable else "WORLD_SIZE"
 
 
 def _form_group(env: DistEnv, backend: str, store: Any, td: datetime.timedelta) -> None:
@@ -383,16 +428,15 @@ def shutdown(timeout: float = SHUTDOWN_TIMEOUT) -> None:
     and a later :func:`init_distributed` in this process says so instead of adopting it.
     Safe to call when nothing was initialized.
     """
-    global _state, _session
+    global _current, _undo_log
     with _lock:
         from . import watchdog
 
         watchdog.stop()  # first: it says "done" through the store the group is about to drop
         _destroy_group(timeout)
-        if _session is not None:
-            _undo(_session)
-        _session = None
-        _state = None
+        if _undo_log is not None:
+            _undo(_undo_log)
+        _current, _undo_log = None, None
 
 
 def _destroy_group(timeout: float) -> None:
@@ -421,17 +465,17 @@ def _destroy_group(timeout: float) -> None:
         log.warning("cpuddp: %s; abandoning it", _abandoned)
 
 
-def _undo(sess: _Session) -> None:
-    """Undo a session: the group (bounded), pinning, exports, the store."""
+def _undo(undo: _Undo) -> None:
+    """Undo what one init did: the group (bounded), pinning, exports, the store."""
     from . import affinity
 
     _destroy_group(SHUTDOWN_TIMEOUT)
-    if sess.pin_state is not None:
+    if undo.pin_state is not None:
         with contextlib.suppress(Exception):
-            affinity.restore(sess.pin_state)
-        sess.pin_state = None
-    sess.unexport()
-    sess.keep = None
+            affinity.restore(undo.pin_state)
+        undo.pin_state = None
+    undo.exports.unexport()
+    undo.keep = None
 
 
 @contextlib.contextmanager
@@ -445,49 +489,6 @@ def session(backend: str = "auto", **kwargs: Any) -> Iterator[DistEnv]:
 
 
 # --------------------------------------------------------------------------- internals
-
-
-def _configure_logging(environ: Mapping[str, str]) -> None:
-    level = environ.get("CPUDDP_LOG_LEVEL", "").strip().upper()
-    if not level or any(getattr(h, "_cpuddp", False) for h in log.handlers):
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
-    handler._cpuddp = True  # type: ignore[attr-defined]
-    log.addHandler(handler)
-    log.setLevel(level if level.isalpha() else int(level))
-
-
-def _timeout(timeout: Optional[Timeout], environ: Mapping[str, str]) -> datetime.timedelta:
-    source = "timeout="
-    if timeout is None:
-        raw = environ.get("CPUDDP_TIMEOUT", "").strip()
-        if raw:
-            source = "CPUDDP_TIMEOUT"
-            try:
-                timeout = float(raw)
-            except ValueError:
-                raise LauncherEnvError(
-                    "CPUDDP_TIMEOUT must be a number of seconds",
-                    variable="CPUDDP_TIMEOUT",
-                    value=raw,
-                    launcher="the job script",
-                    fix="export CPUDDP_TIMEOUT=300 (seconds), or unset it",
-                ) from None
-        else:
-            timeout = DEFAULT_TIMEOUT
-    td = timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=float(timeout))
-    if td.total_seconds() <= 0 and source == "CPUDDP_TIMEOUT":
-        raise LauncherEnvError(
-            "CPUDDP_TIMEOUT must be a positive number of seconds",
-            variable="CPUDDP_TIMEOUT",
-            value=environ.get("CPUDDP_TIMEOUT"),
-            launcher="the job script",
-            fix="export CPUDDP_TIMEOUT=300 (seconds), or unset it",
-        )
-    if td.total_seconds() <= 0:
-        raise ValueError(f"{source} must be positive, got {timeout!r}; pass seconds or a timedelta, e.g. timeout=300")
-    return td
 
 
 def _register_atexit() -> None:

@@ -29,6 +29,7 @@ from .errors import RendezvousError
 
 __all__ = [
     "host_identity",
+    "pid_alive",
     "HostRecord",
     "Layout",
     "exchange",
@@ -53,6 +54,22 @@ def host_identity(namespaces: tuple[str, ...] = ("net",)) -> str:
         with contextlib.suppress(OSError):
             parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
     return "|".join(parts)
+
+
+def pid_alive(pid: int) -> bool:
+    """Is ``pid`` a live, non-zombie process?  Meaningful only for a process with this one's
+    ``host_identity(("net", "pid"))`` (same host and PID namespace)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def allowed_cpus() -> tuple[int, ...]:

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import tempfile
+import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -28,14 +29,15 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from . import affinity
+from . import affinity, preparation
 from .errors import CpuddpError, PrepareError
 from .preparation import prepared_info, unwrap
+from .ranks import group_rank_world as _rank_world
 
 __all__ = [
     "ShardedLoader",
     "shard",
-    "autocast",
+    "autocast_for",
     "reduce_mean",
     "is_main_process",
     "barrier",
@@ -46,24 +48,18 @@ __all__ = [
 Number = Union[int, float]
 
 
-def _initialized() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank_world(group: Any = None) -> tuple[int, int]:
-    if _initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
-
-
 def is_main_process() -> bool:
-    """True on global rank 0, and in a process with no process group."""
+    """True on global rank 0, and in a process with no process group.
+
+    (Before ``init_distributed()`` every rank has no group yet; :func:`cpuddp.get_rank` gives
+    the launcher's rank then.)
+    """
     return _rank_world()[0] == 0
 
 
 def barrier() -> None:
     """Wait for every rank; a no-op without a process group or at world size 1."""
-    if _initialized() and dist.get_world_size() > 1:
+    if _rank_world()[1] > 1:
         dist.barrier()
 
 
@@ -205,47 +201,27 @@ def shard(
     world = w if num_replicas is None else num_replicas
 
     if isinstance(data, DataLoader):
-        loader = data
-        if isinstance(loader.dataset, IterableDataset):
-            raise PrepareError(
-                "cannot shard a DataLoader over an IterableDataset by sampling.",
-                fix="shard the iterable yourself (skip items where index % world_size != rank)",
-            )
-        if isinstance(loader.sampler, RandomSampler):
-            loader_shuffle = True
-        elif isinstance(loader.sampler, SequentialSampler):
-            loader_shuffle = False
-        elif isinstance(loader.sampler, DistributedSampler):
-            return ShardedLoader(loader, loader.sampler)
-        else:
-            raise PrepareError(
-                f"the DataLoader uses a custom sampler ({type(loader.sampler).__name__}); "
-                "replacing it with a DistributedSampler would change what it samples.",
-                fix="pass the Dataset to cpuddp.shard(), or build the DataLoader with a DistributedSampler yourself",
-            )
-        if loader.batch_size is None:
+        loader_shuffle = _loader_shuffle(data)
+        if loader_shuffle is None:  # it already samples with a DistributedSampler
+            return ShardedLoader(data, data.sampler)
+        if data.batch_size is None:
             raise PrepareError(
                 "the DataLoader uses a custom batch_sampler; cpuddp cannot shard it.",
                 fix="pass the Dataset to cpuddp.shard(dataset, batch_size=...)",
             )
         if world == 1 and shuffle is None and batch_size is None and drop_last is None and not loader_kwargs:
-            return ShardedLoader(loader, None)
-        kwargs = {a: getattr(loader, a) for a in _LOADER_ATTRS if hasattr(loader, a)}
-        if loader.num_workers > 0:
-            kwargs["prefetch_factor"] = loader.prefetch_factor
-        kwargs.update(loader_kwargs)
-        dataset = loader.dataset
-        batch_size = loader.batch_size if batch_size is None else batch_size
+            return ShardedLoader(data, None)
+        dataset, kwargs = data.dataset, _loader_kwargs(data, loader_kwargs)
+        batch_size = data.batch_size if batch_size is None else batch_size
         shuffle = loader_shuffle if shuffle is None else shuffle
-        drop_last = loader.drop_last if drop_last is None else drop_last
+        drop_last = data.drop_last if drop_last is None else drop_last
     else:
         if isinstance(data, IterableDataset):
             raise PrepareError(
                 "cannot shard an IterableDataset by sampling.",
                 fix="shard the iterable yourself (skip items where index % world_size != rank)",
             )
-        dataset = data
-        kwargs = dict(loader_kwargs)
+        dataset, kwargs = data, dict(loader_kwargs)
         batch_size = 1 if batch_size is None else batch_size
         shuffle = True if shuffle is None else shuffle
         drop_last = False if drop_last is None else drop_last
@@ -258,24 +234,79 @@ def shard(
     return ShardedLoader(loader, sampler)
 
 
+def _loader_shuffle(loader: DataLoader) -> Optional[bool]:
+    """Whether ``loader`` shuffles, read from its sampler; None when it already uses a
+    DistributedSampler.  Raises for what cannot be sharded by sampling."""
+    if isinstance(loader.dataset, IterableDataset):
+        raise PrepareError(
+            "cannot shard a DataLoader over an IterableDataset by sampling.",
+            fix="shard the iterable yourself (skip items where index % world_size != rank)",
+        )
+    if isinstance(loader.sampler, RandomSampler):
+        return True
+    if isinstance(loader.sampler, SequentialSampler):
+        return False
+    if isinstance(loader.sampler, DistributedSampler):
+        return None
+    raise PrepareError(
+        f"the DataLoader uses a custom sampler ({type(loader.sampler).__name__}); "
+        "replacing it with a DistributedSampler would change what it samples.",
+        fix="pass the Dataset to cpuddp.shard(), or build the DataLoader with a DistributedSampler yourself",
+    )
+
+
+def _loader_kwargs(loader: DataLoader, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of ``loader`` a rebuilt DataLoader keeps (workers, collate, ...), then ``overrides``."""
+    kwargs = {a: getattr(loader, a) for a in _LOADER_ATTRS if hasattr(loader, a)}
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    kwargs.update(overrides)
+    return kwargs
+
+
 # --------------------------------------------------------------------------- autocast
 
 
-def autocast(
+def autocast_for(
     model: Optional[nn.Module] = None, *, enabled: Optional[bool] = None, dtype: torch.dtype = torch.bfloat16
 ) -> torch.autocast:
-    """``torch.autocast("cpu", dtype=bf16)``; with a prepared ``model``, on iff prepare chose bf16.
+    """``torch.autocast("cpu", dtype=dtype)``, on when bf16 pays: as prepare chose for ``model``,
+    else as this CPU allows.
 
-    Use it for code outside the prepared module's forward (e.g. evaluating
-    ``cpuddp.unwrap(model)``, or a loss that needs the same precision).
+    With a prepared ``model``: on iff :func:`~cpuddp.prepare` chose bf16 for it.  Without one,
+    for bf16: on iff the CPU computes bf16 natively (AMX or AVX512-BF16, the probe
+    ``prepare(mixed_precision="bf16")`` uses), else off, with the warning prepare gives when it
+    stays in fp32.  ``enabled=`` overrides both; another ``dtype`` is on unless ``enabled=False``.
+    Use it for code outside the prepared module's forward (evaluating
+    ``cpuddp.unwrap(model)``, a loss that needs the same precision).
     """
     if enabled is None:
         if model is not None:
             info = prepared_info(model)
             enabled = info is not None and info.mixed_precision == "bf16"
+        elif dtype == torch.bfloat16:
+            enabled = _cpu_runs_bf16()
         else:
             enabled = True
     return torch.autocast("cpu", dtype=dtype, enabled=enabled)
+
+
+def _cpu_runs_bf16() -> bool:
+    """prepare's bf16 decision for this CPU, with its fp32 fall-back warning."""
+    ok, why = preparation.cpu_bf16_support()
+    dtype, reason = preparation.decide_precision("bf16", strict=False, cpu_bf16=ok, reason=why)
+    if dtype is None:
+        warnings.warn(f"cpuddp.autocast_for: {reason}", stacklevel=3)
+    return dtype is not None
+
+
+def autocast(
+    model: Optional[nn.Module] = None, *, enabled: Optional[bool] = None, dtype: torch.dtype = torch.bfloat16
+) -> torch.autocast:
+    """Deprecated alias of :func:`autocast_for` (its name shadowed ``torch.autocast``)."""
+    warnings.warn("cpuddp.autocast is deprecated (it shadows torch.autocast); use cpuddp.autocast_for",
+                  DeprecationWarning, stacklevel=2)
+    return autocast_for(model, enabled=enabled, dtype=dtype)
 
 
 # --------------------------------------------------------------------------- metrics

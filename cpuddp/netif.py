@@ -25,6 +25,8 @@ import logging
 import socket
 from typing import Any, Callable, Iterable, Mapping, NamedTuple, Optional, Union
 
+from .launcher_parsers import is_loopback
+
 __all__ = ["Route", "interface_for_source", "source_address", "route_to", "is_loopback_address"]
 
 log = logging.getLogger("cpuddp.netif")
@@ -53,9 +55,10 @@ def _normalize(addr: str) -> Optional[Union[ipaddress.IPv4Address, ipaddress.IPv
 
 
 def is_loopback_address(addr: str) -> bool:
-    """True for 127.0.0.0/8 and ::1 (an IP address, not a name)."""
-    ip = _normalize(addr)
-    return bool(ip is not None and ip.is_loopback)
+    """True for a loopback IP address (127.0.0.0/8, ``::1``, ``::ffff:127.x.y.z``); a name,
+    even ``localhost``, is not an address.  The loopback test itself is
+    :func:`cpuddp.launchers.is_loopback`, cpuddp's one copy of it."""
+    return _normalize(addr) is not None and is_loopback(addr)
 
 
 def _address_of(entry: Any) -> str:

@@ -29,13 +29,14 @@ imports torch and needs nothing beyond the standard library.
 from __future__ import annotations
 
 import math
-import os
 import shutil
 import sys
 import time
 from collections import deque
 from dataclasses import dataclass
 from typing import IO, Callable, Optional
+
+from .ranks import get_rank
 
 __all__ = ["Progress", "ProgressSummary", "format_duration"]
 
@@ -65,13 +66,9 @@ def format_duration(seconds: float) -> str:
 
 
 def _is_main_process() -> bool:
-    """Global rank 0: torch.distributed's rank when a group exists, else the launcher's."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank() == 0
-    from .env import detect
-
-    return detect(os.environ).rank == 0  # a half-set launcher environment raises, as everywhere
+    """Global rank 0: torch.distributed's rank when a group exists, else the launcher's
+    (:func:`cpuddp.get_rank`; a half-set launcher environment raises, as everywhere)."""
+    return get_rank() == 0
 
 
 class Progress:

@@ -48,18 +48,17 @@ formed on the host.
 
 Environment variables read (see :mod:`cpuddp.shm_check`): ``CPUDDP_SHM_DIR``,
 ``CPUDDP_SHM_SLOT``.
+
+The code: this module is the process group (torch's interface, the data path, the waiting);
+:mod:`cpuddp._shm_segment` finds the node's ranks and creates, checks and maps the segment file;
+:mod:`cpuddp.shm_check` says whether it can run here and how much it reserves.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import datetime
-import glob
 import logging
-import mmap
 import os
-import secrets
 import threading
 import time
 import weakref
@@ -70,8 +69,9 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from . import shm_check
-from .errors import BackendError
-from .hosts import host_identity
+from ._shm_segment import W_ABORT as _W_ABORT
+from ._shm_segment import Segment, map_segment, plan_node, whoami
+from .hosts import pid_alive
 
 __all__ = ["NAME", "ShmProcessGroup", "register", "eligibility", "SUPPORTED_DTYPES"]
 
@@ -95,10 +95,6 @@ SUPPORTED_DTYPES = frozenset({
     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
 })
 
-_MAGIC = 0x6370756464707368  # "cpuddpsh"
-_FILE_PREFIX = "cpuddp-shm-"
-# int64 words of the header page
-_W_MAGIC, _W_SIZE, _W_SLOT, _W_TOKEN, _W_ABORT = 0, 1, 2, 3, 4
 #: Spin with sched_yield this long, then sleep between checks.  Not at all when the node's
 #: ranks outnumber their CPUs: a spinning rank would hold the core the peer it waits for needs
 #: (measured: 4 ranks on 2 vCPUs, 4 MiB took 0.5 s with a 50 ms spin).
@@ -110,79 +106,8 @@ _CHECK_EVERY = 0.1
 _ALL_READ_MAX = 2
 
 
-def _pid_namespace() -> str:
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "?"
-
-
-def _alive(pid: int) -> bool:
-    """Is ``pid`` (in this PID namespace) a live, non-zombie process?"""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
-def _allowed_cpus() -> str:
-    try:
-        return ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return ""
-
-
-def _reap_stale(directory: str) -> None:
-    """Remove segment files whose creator (in this PID namespace) is dead."""
-    ns = _pid_namespace()
-    for path in glob.glob(os.path.join(directory, f"{_FILE_PREFIX}{ns}-*")):
-        try:
-            pid = int(os.path.basename(path)[len(_FILE_PREFIX):].split("-")[1])
-        except (IndexError, ValueError):
-            continue
-        if not _alive(pid):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                log.info("cpuddp.shm: removed %s, left by dead process %d", path, pid)
-
-
 def _parts(n: int, parts: int, i: int) -> Tuple[int, int]:
     return i * n // parts, (i + 1) * n // parts
-
-
-class _Segment:
-    """One node's mapped segment: header words, arrival counters, typed slot views."""
-
-    def __init__(self, mm: mmap.mmap, local_rank: int, local_size: int, slot: int) -> None:
-        counters, slots, total = shm_check.layout(local_size, slot)
-        self.mm = mm
-        self.slot = slot
-        self.size = local_size
-        self.words = (ctypes.c_int64 * 8).from_buffer(mm, 0)
-        self.counters = [ctypes.c_int64.from_buffer(mm, counters + i * shm_check.COUNTER_STRIDE)
-                         for i in range(local_size)]
-        self.mine = self.counters[local_rank]
-        self.others = [c for i, c in enumerate(self.counters) if i != local_rank]
-        self.raw = torch.frombuffer(mm, dtype=torch.uint8, count=total - slots, offset=slots)
-        self._views: dict[torch.dtype, List[List[torch.Tensor]]] = {}
-
-    def slots(self, dtype: torch.dtype) -> List[List[torch.Tensor]]:
-        """``[parity][local rank]`` 1-D views of ``dtype`` over the slots."""
-        views = self._views.get(dtype)
-        if views is None:
-            flat = self.raw.view(dtype)
-            n = self.slot // flat.element_size()
-            views = [[flat[(p * self.size + r) * n:(p * self.size + r + 1) * n] for r in range(self.size)]
-                     for p in (0, 1)]
-            self._views[dtype] = views
-        return views
 
 
 class ShmProcessGroup(dist.ProcessGroup):
@@ -196,7 +121,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         #: tensors all-reduced through shared memory so far (tests and benchmarks read it)
         self.shm_calls = 0
         self._broken: Optional[str] = None
-        self._seg: Optional[_Segment] = None
+        self._seg: Optional[Segment] = None
         self._cross: Optional[Any] = None
         self._spin_for = _YIELD_FOR
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
@@ -236,126 +161,21 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def _setup(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> str:
         """Find the node's ranks through ``store``, map the node's segment; the mode's reason."""
-        me = f"{host_identity()}\t{os.getpid()}\t{_pid_namespace()}\t{_allowed_cpus()}"
-        store.set(f"shm/who/{rank}", me)
-        who = [store.get(f"shm/who/{r}").decode().split("\t") for r in range(size)]
-        hosts = list(dict.fromkeys(w[0] for w in who))
-        local = [r for r in range(size) if who[r][0] == who[rank][0]]
-        counts = {h: sum(1 for w in who if w[0] == h) for h in hosts}
-        self._local_rank, self._local_size = local.index(rank), len(local)
-        self._node, self._nodes = hosts.index(who[rank][0]), len(hosts)
-        self._peer_pids = {r: int(who[r][1]) for r in local if r != rank and who[r][2] == who[rank][2]}
-        cpus = set().union(*(who[r][3].split(",") for r in local)) - {""}
-        self._spin_for = _YIELD_FOR if cpus and len(cpus) >= len(local) else 0.0
-        if size == 1 or self._local_size == 1:
-            return "gloo for every collective: one rank per node"
-        if len(set(counts.values())) != 1:
-            return ("gloo for every collective: nodes run different numbers of ranks "
-                    f"({', '.join(str(c) for c in counts.values())})")
-        self._seg = self._map_segment(store, rank, local)
+        store.set(f"shm/who/{rank}", whoami())
+        plan = plan_node([store.get(f"shm/who/{r}").decode().split("\t") for r in range(size)], rank)
+        self._local_rank, self._local_size = plan.local_rank, plan.local_size
+        self._node, self._nodes = plan.node, plan.nodes
+        self._peer_pids = plan.peer_pids
+        self._spin_for = _YIELD_FOR if plan.spin else 0.0
+        if plan.gloo_only is not None:
+            return plan.gloo_only
+        self._seg = map_segment(store, rank, plan.local, plan.local_rank)
         if self._nodes > 1:
             cross = dist.PrefixStore(f"shm/cross/{self._local_rank}/", store)
             self._cross = dist.ProcessGroupGloo(cross, self._node, self._nodes, timeout)
             return (f"shared memory within each of {self._nodes} nodes ({self._local_size} ranks each), "
                     "gloo between them")
         return f"shared memory among {self._local_size} ranks"
-
-    def _map_segment(self, store: Any, rank: int, local: Sequence[int]) -> _Segment:
-        lr, ls = self._local_rank, self._local_size
-        key = f"shm/seg/{local[0]}"
-        path = None
-        status = "ok"
-        mm = None
-        try:
-            if lr == 0:
-                path, mm, slot, token = self._create_file()
-                store.set(key, f"{path}\t{token}\t{slot}")
-            else:
-                got = store.get(key).decode()
-                if got.startswith("error\t"):
-                    raise BackendError(got.split("\t", 1)[1], fix=_FIX)
-                path, token_s, slot_s = got.split("\t")
-                token, slot = int(token_s), int(slot_s)
-                mm = self._open_file(path, token, ls, slot)
-            seg = _Segment(mm, lr, ls, slot)
-        except BaseException as exc:
-            status = f"rank {rank}: {getattr(exc, 'msg', exc)}"
-            if lr == 0 and path is None:
-                store.set(key, f"error\t{status}")
-            store.set(f"shm/mapped/{rank}", f"error\t{status}")
-            raise
-        finally:
-            if status == "ok":
-                store.set(f"shm/mapped/{rank}", "ok")
-            if lr == 0:
-                # every local rank has mapped it or read the error: the name can go now (and a
-                # failed rank 0, which may host the store, has not left before its peers read why)
-                try:
-                    for r in local:
-                        store.get(f"shm/mapped/{r}")
-                finally:
-                    if path is not None:
-                        with contextlib.suppress(OSError):
-                            os.unlink(path)
-        problems = [s for s in (store.get(f"shm/mapped/{r}").decode() for r in local) if s != "ok"]
-        if problems:
-            raise BackendError("the shared-memory segment could not be mapped: "
-                               + "; ".join(p.split("\t", 1)[1] for p in problems), fix=_FIX)
-        return seg
-
-    def _create_file(self) -> Tuple[str, mmap.mmap, int, int]:
-        environ = os.environ
-        directory, slot = shm_check.shm_dir(environ), shm_check.slot_bytes(environ)
-        total = shm_check.layout(self._local_size, slot)[2]
-        _reap_stale(directory)
-        token = secrets.randbits(62) + 1
-        path = os.path.join(directory, f"{_FILE_PREFIX}{_pid_namespace()}-{os.getpid()}-{token:x}")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError as exc:
-            raise BackendError(f"cannot create {path}: {exc.strerror}", fix=_FIX) from exc
-        try:
-            try:
-                os.posix_fallocate(fd, 0, total)
-            except OSError as exc:
-                from .bench import format_size
-
-                raise BackendError(
-                    f"cannot reserve {format_size(total)} in {directory} for {self._local_size} local ranks: "
-                    f"{exc.strerror} ({_free_text(directory)})", fix=_FIX) from exc
-            mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        words = (ctypes.c_int64 * 8).from_buffer(mm, 0)
-        words[_W_SIZE], words[_W_SLOT], words[_W_TOKEN] = self._local_size, slot, token
-        words[_W_MAGIC] = _MAGIC
-        del words
-        return path, mm, slot, token
-
-    def _open_file(self, path: str, token: int, size: int, slot: int) -> mmap.mmap:
-        total = shm_check.layout(size, slot)[2]
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise BackendError(
-                f"cannot open {path}, made by local rank 0: {exc.strerror} (ranks with the same host identity "
-                "do not share this shared-memory directory: separate containers?)", fix=_FIX) from exc
-        try:
-            if os.fstat(fd).st_size != total:
-                raise BackendError(f"{path} has size {os.fstat(fd).st_size}, expected {total}", fix=_FIX)
-            mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-        words = (ctypes.c_int64 * 8).from_buffer(mm, 0)
-        ok = words[_W_MAGIC] == _MAGIC and words[_W_TOKEN] == token and words[_W_SIZE] == size
-        del words
-        if not ok:
-            raise BackendError(f"{path} is not the segment local rank 0 made", fix=_FIX)
-        return mm
 
     # ------------------------------------------------------------------ the data path
 
@@ -494,7 +314,7 @@ class ShmProcessGroup(dist.ProcessGroup):
             time.sleep(_SLEEP)
             if now >= check_at:
                 check_at = now + _CHECK_EVERY
-                dead = [r for r, pid in self._peer_pids.items() if not _alive(pid)]
+                dead = [r for r, pid in self._peer_pids.items() if not pid_alive(pid)]
                 if dead:
                     raise dist.DistBackendError(
                         f"shm allreduce: rank(s) {dead} (pid {[self._peer_pids[r] for r in dead]}) on this node died "
@@ -516,20 +336,6 @@ class ShmProcessGroup(dist.ProcessGroup):
         seg = self._seg
         if seg is not None and not seg.words[_W_ABORT]:
             seg.words[_W_ABORT] = self._local_rank + 1
-
-
-_FIX = ("give the shared-memory directory room (Docker: --shm-size=1g; or point CPUDDP_SHM_DIR at a tmpfs "
-        "every local rank sees), or pass backend='gloo'")
-
-
-def _free_text(directory: str) -> str:
-    from .bench import format_size
-
-    try:
-        st = os.statvfs(directory)
-    except OSError as exc:
-        return f"{directory}: {exc.strerror}"
-    return f"{format_size(st.f_bavail * st.f_frsize)} free of {format_size(st.f_blocks * st.f_frsize)}"
 
 
 #: The live groups of this process, for :func:`abort_groups`.

@@ -62,7 +62,7 @@ def slot_bytes(environ: Mapping[str, str]) -> int:
     raw = environ.get(SLOT_VAR)
     if raw is None or not raw.strip():
         return DEFAULT_SLOT
-    from .bench import parse_size  # pure, no torch
+    from ._units import parse_size  # pure, no torch
 
     try:
         value = parse_size(raw)
@@ -124,7 +124,7 @@ def eligibility(
     ``machine`` (``platform.machine()``) and ``free_bytes(dir)`` (free bytes, or None when the
     directory is missing) replace the real probes in tests.
     """
-    from .bench import format_size
+    from ._units import format_size
 
     opt = (environ.get(OPT_OUT_VAR) or "").strip().lower()
     if opt in ("0", "false", "no", "off"):

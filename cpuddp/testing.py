@@ -34,7 +34,10 @@ dies is killed by the kernel (``PR_SET_PDEATHSIG``, Linux).  (Spawning starts Py
 No shared ports: the parent hosts the rendezvous store on a socket it binds to
 ``127.0.0.1:0`` itself, as torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE``), and
 holds it until the call ends, so back-to-back calls and concurrent pytest-xdist workers
-never race for a port.  The ranks' gloo traffic stays on the loopback interface.
+never race for a port.  The ranks' gloo traffic stays on the loopback interface.  (The store,
+the ranks' environment, their stacks and their reaping come from :mod:`cpuddp._procs`, the
+launcher ``cpuddp bench --nproc`` uses too; the rank side is :mod:`cpuddp.testing_rank`, the
+pickling and import hooks :mod:`cpuddp.testing_ship`.)
 
 Environment of each rank: the parent's, minus every launcher's variables
 (:func:`clean_environ`: ``RANK``, ``PMI_*``, ``SLURM_*``, ...; a test run under srun or
@@ -57,64 +60,59 @@ option; see ``docs/testing.md``.
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import datetime
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import logging
 import multiprocessing
 import os
 import pickle
-import pickletools
-import shutil
-import signal
 import socket
 import sys
-import tempfile
 import time
 import traceback as _tb
 import uuid
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 from .errors import RankFailedError, how_it_ended
 
 __all__ = ["run_distributed", "clean_environ", "is_launcher_variable", "LAUNCHER_ENV_PREFIXES", "LAUNCHER_ENV_NAMES"]
 
+from . import _procs
 from . import launchers as _launchers
+from .testing_rank import Report as _Report
+from .testing_rank import rank_main as _rank_main
+from .testing_rank import trim_stack as _trim_stack
+from .testing_ship import LOAD_FIX as _LOAD_FIX
+from .testing_ship import ModuleRef as _ModuleRef
+from .testing_ship import dumps_call as _dumps_call
+from .testing_ship import module_refs as _module_refs
 
 log = logging.getLogger("cpuddp.testing")
 
 #: What a test must not inherit: every launcher's variables (:mod:`cpuddp.launchers`) plus the
 #: backend settings cpuddp exports, so one test's world never leaks into the next.  They are
 #: stripped from each rank's environment and hidden from a test by ``clean_launcher_env``.
-LAUNCHER_ENV_PREFIXES = (*_launchers.LAUNCHER_ENV_PREFIXES, "CCL_")
-LAUNCHER_ENV_NAMES = (*_launchers.LAUNCHER_ENV_NAMES, "GLOO_SOCKET_IFNAME")
+LAUNCHER_ENV_PREFIXES = (*_launchers.LAUNCHER_ENV_PREFIXES, *_launchers.BACKEND_ENV_PREFIXES)
+LAUNCHER_ENV_NAMES = (*_launchers.LAUNCHER_ENV_NAMES, *_launchers.BACKEND_ENV_NAMES)
 
 #: Set by run_distributed for each rank; ``env=`` may not override them.
-_RANK_CONTROLLED = (
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT", "CPUDDP_TEST_RUN_ID",
-)
+_RANK_CONTROLLED = (*_procs.RANK_CONTROLLED, "CPUDDP_TEST_RUN_ID")
 
 #: After a first failure, how long to wait for the other ranks' reports, to find the root cause.
 _SETTLE = 1.0
 #: After every result is in, how long ranks get to exit on their own (atexit, coverage data).
 _EXIT_GRACE = 5.0
-#: SIGTERM, then SIGKILL after this many seconds.
-_KILL_AFTER = 2.0
 
 
 def is_launcher_variable(name: str) -> bool:
-    """True for a variable some launcher sets to describe a launched process."""
-    return name in LAUNCHER_ENV_NAMES or name.startswith(LAUNCHER_ENV_PREFIXES)
+    """True for a variable some launcher sets to describe a launched process, or a backend setting."""
+    return _launchers.is_launcher_variable(name, backend_settings=True)
 
 
 def clean_environ(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` without any launcher's variables."""
-    return {k: v for k, v in environ.items() if not is_launcher_variable(k)}
+    """``environ`` without any launcher's variables or backend settings."""
+    return _launchers.clean_environ(environ, strip_backend_settings=True)
 
 
 def run_distributed(
@@ -158,49 +156,28 @@ def run_distributed(
     modules = _module_refs(payload, fn)
     deadline = time.monotonic() + timeout
 
-    import torch.distributed as dist
+    settings = {} if pin else {"OMP_NUM_THREADS": str(threads)}
+    settings["GLOO_SOCKET_IFNAME"] = _loopback_interface()
+    settings.update(extra)  # env= may override the two above
+    settings["CPUDDP_TEST_RUN_ID"] = uuid.uuid4().hex
+    with _procs.LocalWorld(world_size, timeout, extra=settings, strip_backend_settings=True) as world:
+        return _start_and_collect(world, payload, modules, backend, float(timeout), pin, threads, deadline)
 
+
+def _start_and_collect(world: _procs.LocalWorld, payload: bytes, modules: dict[str, "_ModuleRef"], backend: str,
+                       timeout: float, pin: bool, threads: int, deadline: float) -> list[Any]:
+    """Spawn every rank of ``world``, collect the results, and stop the ranks (gracefully after success)."""
+    __tracebackhide__ = True
     ctx = multiprocessing.get_context("spawn")
-    sock = socket.create_server(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    try:
-        store = dist.TCPStore(
-            "127.0.0.1", port, world_size, True, datetime.timedelta(seconds=timeout),
-            wait_for_workers=False, master_listen_fd=sock.fileno(),
-        )
-    except BaseException:
-        sock.close()
-        raise
-    sock.detach()  # the store owns the listening socket now and closes it when destroyed
-
-    base = clean_environ(os.environ)
-    if not pin:
-        base["OMP_NUM_THREADS"] = str(threads)
-    base["GLOO_SOCKET_IFNAME"] = _loopback_interface()
-    base.update(extra)
-    base.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        TORCHELASTIC_USE_AGENT_STORE="True",
-        TORCHELASTIC_RESTART_COUNT="0",
-        CPUDDP_TEST_RUN_ID=uuid.uuid4().hex,
-    )
-
-    procs: list[Any] = []
     conns: dict[Connection, int] = {}
-    workdir = tempfile.mkdtemp(prefix="cpuddp-run-")
-    stacks = [os.path.join(workdir, f"rank{r}.stack") for r in range(world_size)]
     ok = False
     try:
-        for rank in range(world_size):
+        for rank in range(world.world_size):
             ours, theirs = ctx.Pipe(duplex=False)
             conns[ours] = rank
-            rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank))
             p = ctx.Process(
                 target=_rank_main,
-                args=(theirs, rank_env, payload, modules, backend, float(timeout), pin, threads, stacks[rank]),
+                args=(theirs, world.environ(rank), payload, modules, backend, timeout, pin, threads),
                 # not daemonic: a rank may start processes of its own (DataLoader workers);
                 # every rank is stopped and reaped before run_distributed returns anyway
                 name=f"cpuddp-rank{rank}",
@@ -209,33 +186,26 @@ def run_distributed(
                 p.start()
             finally:
                 theirs.close()
-            procs.append(p)
-        results = _collect(procs, conns, deadline, timeout, stacks)
+            world.add(p)
+        results = _collect(world, conns, deadline, timeout)
         ok = True
         return results
     finally:
-        _stop(procs, grace=_EXIT_GRACE if ok else 0.0)
+        stopped = world.stop(grace=_EXIT_GRACE if ok else 0.0)
+        if ok and stopped:
+            log.warning("cpuddp.testing: %s did not exit within %.0f s of reporting a result; they were stopped",
+                        _ranks(stopped), _EXIT_GRACE)
         for c in conns:
             c.close()
-        del store
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- the parent side
 
 
-class _Report(NamedTuple):
-    stage: str  # "load" (unpickling fn), "init" (joining the group), "run" (fn), "report" (pickling the result)
-    summary: str  # the exception's first line: "ValueError: boom"
-    traceback: str
-    when: float  # time.monotonic() in the rank: system-wide, so comparable across ranks
-
-
-def _collect(
-    procs: list[Any], conns: dict[Connection, int], deadline: float, timeout: float, stacks: list[str]
-) -> list[Any]:
+def _collect(world: _procs.LocalWorld, conns: dict[Connection, int], deadline: float, timeout: float) -> list[Any]:
     """Wait for every rank's report; raise RankFailedError on the first failure or at the deadline."""
     __tracebackhide__ = True
+    procs = world.procs
     n = len(procs)
     results: dict[int, Any] = {}
     errors: dict[int, _Report] = {}
@@ -269,7 +239,7 @@ def _collect(
         if now >= deadline:
             if errors or died:
                 break
-            raise _timeout_error(procs, sorted(set(range(n)) - set(results)), sorted(results), timeout, stacks)
+            raise _timeout_error(world, sorted(set(range(n)) - set(results)), sorted(results), timeout)
         ready = wait(list(live) + list(sentinels), timeout=min(deadline, settle or deadline) - now)
         for obj in ready:
             if obj in live:
@@ -286,19 +256,20 @@ def _collect(
         if (errors or died) and settle is None:
             settle = time.monotonic() + _SETTLE
     if errors or died:
-        raise _failure_error(n, results, errors, died, stacks)
+        raise _failure_error(world, results, errors, died)
     return [results[r] for r in range(n)]
 
 
 def _failure_error(
-    n: int, results: dict[int, Any], errors: dict[int, _Report], died: dict[int, Optional[int]], stacks: list[str]
+    world: _procs.LocalWorld, results: dict[int, Any], errors: dict[int, _Report], died: dict[int, Optional[int]]
 ) -> RankFailedError:
+    n = world.world_size
     # A rank that died without a word comes first: the others' errors ("Connection closed by
     # peer") follow from it.  Otherwise the rank that raised first is the root cause.
     if died:
         root = min(died)
         msg = f"rank {root} of {n} {how_it_ended(died[root])} before reporting a result"
-        stack = _trim_stack(_read(stacks[root]))
+        stack = _trim_stack(world.read_stack(root))
         tb = f"its Python stack when it crashed:\n{stack}" if stack else None
         fix = (
             "a rank that ends without reporting was killed (the out-of-memory killer sends SIGKILL), "
@@ -325,18 +296,11 @@ def _failure_error(
     return RankFailedError(msg, rank=root, traceback=tb, fix=fix)
 
 
-_LOAD_FIX = (
-    "define fn (and the classes of its arguments) at module level in a module the ranks can "
-    "import: a test module, conftest.py or a package on sys.path; not a lambda, a nested "
-    "function or a module made at run time"
-)
-
-
-def _timeout_error(procs: list[Any], missing: list[int], done: list[int], timeout: float, stacks: list[str]) -> RankFailedError:
-    dumps = _dump_stacks([procs[r] for r in missing], [stacks[r] for r in missing])
+def _timeout_error(world: _procs.LocalWorld, missing: list[int], done: list[int], timeout: float) -> RankFailedError:
+    dumps = world.dump_stacks(missing)
     none = "(no Python stack: the rank had not reached Python code yet, or did not answer SIGUSR1)"
-    parts = [f"--- rank {r}, where it was at the timeout:\n{text or none}" for r, text in zip(missing, dumps)]
-    msg = f"{_ranks(missing)} of {len(procs)} did not finish within {timeout:g} s"
+    parts = [f"--- rank {r}, where it was at the timeout:\n{_trim_stack(dumps[r]) or none}" for r in missing]
+    msg = f"{_ranks(missing)} of {world.world_size} did not finish within {timeout:g} s"
     if done:
         msg += f" ({_ranks(done)} returned)"
     return RankFailedError(
@@ -348,125 +312,12 @@ def _timeout_error(procs: list[Any], missing: list[int], done: list[int], timeou
     )
 
 
-def _dump_stacks(procs: list[Any], paths: list[str]) -> list[str]:
-    """Ask each live rank for its Python stack (SIGUSR1 -> faulthandler) and read the answers."""
-    sig = getattr(signal, "SIGUSR1", None)
-    if sig is None:
-        return [""] * len(procs)
-    sizes = [_size(p) for p in paths]
-    asked = []
-    for proc, path, size in zip(procs, paths, sizes):
-        if proc.is_alive():
-            with contextlib.suppress(OSError):
-                os.kill(proc.pid, sig)
-                asked.append(path)
-    end = time.monotonic() + 2.0
-    while asked and time.monotonic() < end:
-        if all(_size(p) > s for p, s in zip(paths, sizes) if p in asked):
-            time.sleep(0.1)  # let the last writes land
-            break
-        time.sleep(0.05)
-    return [_trim_stack(_read(p, start=s)) for p, s in zip(paths, sizes)]
-
-
-def _trim_stack(text: str) -> str:
-    """Drop the frames below fn (this harness, multiprocessing's bootstrap) from a faulthandler dump."""
-    out: list[str] = []
-    skipping = False
-    for line in text.splitlines():
-        if line.startswith("  File ") and line.endswith(" in _rank_main") and __file__ in line:
-            skipping = True
-        elif not line.startswith("  File "):
-            skipping = False
-        if not skipping:
-            out.append(line)
-    return "\n".join(out).strip()
-
-
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return 0
-
-
-def _read(path: str, start: int = 0) -> str:
-    try:
-        with open(path, errors="replace") as f:
-            f.seek(start)
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
 def _ranks(ranks: Sequence[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 def _clip(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _stop(procs: list[Any], grace: float) -> None:
-    """Reap every rank: wait ``grace`` s for them to exit, then SIGTERM them and their
-    descendants, then SIGKILL what is left."""
-    end = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    alive = [p for p in procs if p.is_alive()]
-    if not alive:
-        return
-    if grace > 0:
-        log.warning(
-            "cpuddp.testing: %s did not exit within %.0f s of reporting a result; stopping them",
-            _ranks([procs.index(p) for p in alive]), grace,
-        )
-    kids: list[Any] = []
-    with contextlib.suppress(Exception):
-        import psutil
-
-        for p in alive:  # before the rank dies, or its children are re-parented out of sight
-            with contextlib.suppress(psutil.Error):
-                kids.extend(psutil.Process(p.pid).children(recursive=True))
-    for p in alive:
-        with contextlib.suppress(OSError):
-            p.terminate()
-    for k in kids:
-        with contextlib.suppress(Exception):
-            k.terminate()
-    end = time.monotonic() + _KILL_AFTER
-    for p in alive:
-        p.join(max(0.0, end - time.monotonic()))
-        if p.is_alive():
-            with contextlib.suppress(OSError):
-                p.kill()
-            p.join(5.0)
-    if kids:
-        import psutil
-
-        left = _wait_gone(kids, end)
-        for k in left:
-            with contextlib.suppress(psutil.Error):
-                k.kill()
-        _wait_gone(left, time.monotonic() + 5.0)
-
-
-def _wait_gone(procs: list[Any], end: float) -> list[Any]:
-    """Poll until each psutil process is gone or a zombie (no longer ours to reap: its
-    parent, a rank, is dead), or until ``end``; return those still running."""
-    import psutil
-
-    def running(p: Any) -> bool:
-        try:
-            return p.status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-
-    left = [p for p in procs if running(p)]
-    while left and time.monotonic() < end:
-        time.sleep(0.05)
-        left = [p for p in left if running(p)]
-    return left
 
 
 def _loopback_interface() -> str:
@@ -478,217 +329,6 @@ def _loopback_interface() -> str:
             if any(a.family == socket.AF_INET and a.address.startswith("127.") for a in addrs):
                 return name
     return "lo0" if sys.platform == "darwin" else "lo"
-
-
-# --------------------------------------------------------------------------- shipping fn to the ranks
-
-
-def _dumps_call(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
-    if not callable(fn):
-        raise TypeError(f"run_distributed: fn must be callable, got {type(fn).__name__}")
-    try:
-        return pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:
-        raise TypeError(
-            f"run_distributed: cannot pickle fn {getattr(fn, '__qualname__', fn)!r} or its arguments "
-            f"({type(exc).__name__}: {exc}); {_LOAD_FIX}"
-        ) from exc
-
-
-class _ModuleRef(NamedTuple):
-    file: Optional[str]  # None for a namespace package
-    path: Optional[list[str]]  # __path__ of a package, else None
-    rewrite: bool  # pytest rewrote its asserts in the parent
-
-
-def _module_refs(payload: bytes, fn: Any) -> dict[str, _ModuleRef]:
-    """The user's modules the payload refers to, with the files the parent loaded them from.
-
-    The ranks need them when pytest imported a test module in a way plain ``import`` cannot
-    repeat (``--import-mode=importlib``), and to rewrite asserts as pytest did."""
-    names = {getattr(fn, "__module__", None)}
-    for op, arg, _ in pickletools.genops(payload):
-        if isinstance(arg, str):
-            names.add(arg.split(" ")[0] if op.name in ("GLOBAL", "INST") else arg)
-    names = {n for n in names if isinstance(n, str) and n in sys.modules and n not in ("__main__", "__mp_main__")}
-    for name in list(names):  # and their parent packages
-        parts = name.split(".")
-        names.update(".".join(parts[:i]) for i in range(1, len(parts)))
-    skip = _installed_roots()
-    refs: dict[str, _ModuleRef] = {}
-    for name in sorted(names):
-        mod = sys.modules.get(name)
-        file = getattr(mod, "__file__", None)
-        path = getattr(mod, "__path__", None)
-        if mod is None or (file is None and path is None):
-            continue
-        if file is not None and not file.endswith(".py"):
-            continue
-        where = file or next(iter(path), "")  # type: ignore[arg-type]
-        if not where or os.path.abspath(where).startswith(skip):
-            continue
-        loader = getattr(getattr(mod, "__spec__", None), "loader", None)
-        refs[name] = _ModuleRef(file, list(path) if path is not None else None, type(loader).__name__ == "AssertionRewritingHook")
-    return refs
-
-
-def _installed_roots() -> tuple[str, ...]:
-    import site
-    import sysconfig
-
-    roots = set()
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        with contextlib.suppress(KeyError):
-            roots.add(sysconfig.get_paths()[key])
-    with contextlib.suppress(Exception):
-        roots.update(site.getsitepackages())
-    with contextlib.suppress(Exception):
-        roots.add(site.getusersitepackages())
-    return tuple(os.path.abspath(r) + os.sep for r in roots if r)
-
-
-class _RankLoader(importlib.machinery.SourceFileLoader):
-    """Loads a user module from the parent's file; rewrites asserts when pytest did."""
-
-    def __init__(self, fullname: str, path: str, rewrite: bool) -> None:
-        super().__init__(fullname, path)
-        self.rewrite = rewrite
-
-    def get_code(self, fullname: str) -> Any:
-        source = self.get_data(self.path)
-        if self.rewrite:
-            try:  # pytest's own rewriter (a private API: fall back to plain asserts if it moves)
-                from _pytest.assertion.rewrite import rewrite_asserts
-
-                tree = ast.parse(source, filename=self.path)
-                rewrite_asserts(tree, source, self.path, None)
-                return compile(tree, self.path, "exec", dont_inherit=True)
-            except Exception:
-                pass
-        return compile(source, self.path, "exec", dont_inherit=True)
-
-
-class _RankFinder(importlib.abc.MetaPathFinder):
-    """First in ``sys.meta_path``: the modules pytest rewrote.  Last (``fallback``): any user
-    module the normal import system cannot find, e.g. under ``--import-mode=importlib``."""
-
-    def __init__(self, refs: dict[str, _ModuleRef], fallback: bool) -> None:
-        self.refs = refs
-        self.fallback = fallback
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        ref = self.refs.get(fullname)
-        if ref is None or not (self.fallback or ref.rewrite):
-            return None
-        if ref.file is None:
-            spec = importlib.machinery.ModuleSpec(fullname, None, is_package=True)
-            spec.submodule_search_locations = list(ref.path or [])
-            return spec
-        return importlib.util.spec_from_file_location(
-            fullname, ref.file, loader=_RankLoader(fullname, ref.file, ref.rewrite), submodule_search_locations=ref.path
-        )
-
-
-# --------------------------------------------------------------------------- the rank side
-
-
-def _die_with_parent() -> None:
-    if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent is already gone
-            os._exit(1)
-
-
-_stack_file: Any = None
-
-
-def _stacks_to(path: str) -> None:
-    """Python stacks to ``path`` on a crash (SIGSEGV, SIGABRT, ...) and on SIGUSR1 (a hang)."""
-    global _stack_file
-    with contextlib.suppress(Exception):
-        import faulthandler
-
-        _stack_file = open(path, "w")
-        faulthandler.enable(_stack_file, all_threads=True)
-        if hasattr(faulthandler, "register") and hasattr(signal, "SIGUSR1"):
-            faulthandler.register(signal.SIGUSR1, _stack_file, all_threads=True, chain=False)
-
-
-def _send(conn: Connection, message: Any) -> None:
-    # Plain pickle, by value: the default ForkingPickler would move tensors through shared
-    # memory handed over by this process, which is gone by the time the parent reads them.
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _rank_main(
-    conn: Connection, rank_env: dict[str, str], payload: bytes, refs: dict[str, _ModuleRef],
-    backend: str, timeout: float, pin: bool, threads: int, stack_path: str,
-) -> None:
-    _die_with_parent()
-    os.environ.clear()
-    os.environ.update(rank_env)
-    _stacks_to(stack_path)
-    stage = "load"
-    try:
-        if refs:
-            sys.meta_path.insert(0, _RankFinder(refs, fallback=False))
-            sys.meta_path.append(_RankFinder(refs, fallback=True))
-        fn, args, kwargs = pickle.loads(payload)
-        stage = "init"
-        import torch
-
-        if not pin:
-            torch.set_num_threads(threads)
-        from .distributed import init_distributed, shutdown
-
-        init_distributed(backend, timeout=timeout, pin=pin)
-        stage = "run"
-        result = fn(*args, **kwargs)
-        stage = "report"
-        _send(conn, ("ok", result))
-    except BaseException as exc:
-        summary = "".join(_tb.format_exception_only(type(exc), exc)).strip().splitlines()
-        tb = exc.__traceback__
-        if stage == "run" and tb is not None and tb.tb_next is not None:
-            tb = tb.tb_next  # start the traceback at fn, not at this harness
-        text = "".join(_tb.format_exception(type(exc), exc, tb))
-        with contextlib.suppress(Exception):
-            _send(conn, ("error", _Report(stage, summary[0] if summary else type(exc).__name__, text, time.monotonic())))
-        _exit_now(1, cleanly=False)  # no teardown: the group may be broken, and a hung teardown helps nobody
-    conn.close()
-    shutdown()
-    _exit_now(0, cleanly=True)
-
-
-def _exit_now(code: int, *, cleanly: bool) -> None:
-    """Exit without the interpreter's finalization (tearing torch down takes seconds on a
-    loaded machine, and has hung), after the atexit handlers when ``cleanly`` (coverage
-    data, logging), and after stopping any process fn started and left running."""
-    if cleanly:
-        with contextlib.suppress(BaseException):
-            import atexit
-
-            atexit._run_exitfuncs()  # type: ignore[attr-defined]
-    with contextlib.suppress(BaseException):
-        import psutil
-
-        kids = psutil.Process().children(recursive=True)
-        for k in kids:
-            with contextlib.suppress(psutil.Error):
-                k.terminate()
-        _, left = psutil.wait_procs(kids, timeout=_KILL_AFTER)
-        for k in left:
-            with contextlib.suppress(psutil.Error):
-                k.kill()
-    with contextlib.suppress(BaseException):
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
 
 
 # --------------------------------------------------------------------------- pytest plugin

@@ -20,17 +20,16 @@ no NUMA directory -> one NUMA node per socket; no ``flags`` line -> py-cpuinfo (
 only then: it is slow and may spawn a subprocess).
 
 Everything else is pure: :class:`Topology` is a frozen value, and tests (or users) build
-fake machines with :func:`synthetic_topology` or the constructor.
+fake machines with :func:`synthetic_topology` or the constructor.  The reading itself, one
+function per source, is in :mod:`cpuddp.topology_read`.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Union
 
 __all__ = [
@@ -43,8 +42,6 @@ __all__ = [
     "parse_cpulist",
     "format_cpulist",
 ]
-
-log = logging.getLogger("cpuddp.topology")
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -300,276 +297,13 @@ def effective_cpu_count(topo: Topology) -> int:
 # --------------------------------------------------------------------------- the reader
 
 
-def _read(path: Path) -> Optional[str]:
-    try:
-        return path.read_text()
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _read_int(path: Path) -> Optional[int]:
-    text = _read(path)
-    if text is None:
-        return None
-    try:
-        return int(text.strip())
-    except ValueError:
-        return None
-
-
-def _unescape(path: str) -> str:
-    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), path)
-
-
-def _mounts(root: Path) -> list[tuple[str, str, str, str]]:
-    """(mount root, mount point, fstype, super options) from /proc/self/mountinfo."""
-    text = _read(root / "proc/self/mountinfo") or ""
-    out = []
-    for line in text.splitlines():
-        left, sep, right = line.partition(" - ")
-        if not sep:
-            continue
-        lf, rf = left.split(), right.split()
-        if len(lf) < 5 or len(rf) < 1:
-            continue
-        out.append((_unescape(lf[3]), _unescape(lf[4]), rf[0], rf[2] if len(rf) > 2 else ""))
-    return out
-
-
-def _cgroup_dirs(root: Path, version: int, controller: str) -> list[Path]:
-    """This process's cgroup directory for ``controller`` and its ancestors, leaf first."""
-    groups = _read(root / "proc/self/cgroup") or ""
-    rel = None
-    for line in groups.splitlines():
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        hid, ctrls, path = parts
-        if version == 2 and hid == "0" and ctrls == "":
-            rel = path
-        elif version == 1 and controller in ctrls.split(","):
-            rel = path
-    if rel is None:
-        return []
-    for mroot, mpoint, fstype, opts in _mounts(root):
-        if version == 2 and fstype != "cgroup2":
-            continue
-        if version == 1 and (fstype != "cgroup" or controller not in opts.split(",")):
-            continue
-        top = root / mpoint.lstrip("/")
-        # Inside a cgroup namespace the mount's root is the namespace root; strip it.
-        sub = rel
-        if mroot not in ("/", "") and (sub == mroot or sub.startswith(mroot.rstrip("/") + "/")):
-            sub = sub[len(mroot.rstrip("/")):]
-        leaf = top / sub.lstrip("/")
-        if not leaf.is_dir():
-            leaf = top  # path not visible from here (namespaced container): use the mount
-        dirs = [leaf]
-        while dirs[-1] != top and top in dirs[-1].parents:
-            dirs.append(dirs[-1].parent)
-        return dirs
-    return []
-
-
-def _read_cgroup(root: Path) -> tuple[Optional[float], Optional[frozenset[int]], str]:
-    """(quota in CPUs or None, effective cpuset or None, where they came from)."""
-    quota: Optional[float] = None
-    where = "no cgroup CPU limit found"
-    v2 = _cgroup_dirs(root, 2, "")
-    v2_has_cpu = any((d / "cpu.max").exists() for d in v2)
-    if v2_has_cpu:
-        for d in v2:
-            text = _read(d / "cpu.max")
-            if text is None:
-                continue
-            parts = text.split()
-            if len(parts) >= 1 and parts[0] != "max":
-                try:
-                    q = int(parts[0]) / int(parts[1] if len(parts) > 1 else 100000)
-                except (ValueError, ZeroDivisionError):
-                    continue
-                if q > 0 and (quota is None or q < quota):
-                    quota, where = q, f"cgroup v2 {d / 'cpu.max'}"
-        if quota is None:
-            where = "cgroup v2 cpu.max: max"
-    else:
-        for d in _cgroup_dirs(root, 1, "cpu"):
-            q_us = _read_int(d / "cpu.cfs_quota_us")
-            p_us = _read_int(d / "cpu.cfs_period_us")
-            if q_us is None or p_us is None:
-                continue
-            if q_us > 0 and p_us > 0:
-                q = q_us / p_us
-                if quota is None or q < quota:
-                    quota, where = q, f"cgroup v1 {d / 'cpu.cfs_quota_us'}"
-            elif quota is None:
-                where = "cgroup v1 cpu.cfs_quota_us: -1"
-    cpuset: Optional[frozenset[int]] = None
-    for d in v2[:1]:
-        text = _read(d / "cpuset.cpus.effective")
-        if text is not None and text.strip():
-            cpuset = parse_cpulist(text)
-    if cpuset is None:
-        for d in _cgroup_dirs(root, 1, "cpuset")[:1]:
-            text = _read(d / "cpuset.effective_cpus") or _read(d / "cpuset.cpus")
-            if text is not None and text.strip():
-                cpuset = parse_cpulist(text)
-    return quota, cpuset, where
-
-
-def _cpuinfo_blocks(text: str) -> list[dict[str, str]]:
-    blocks, cur = [], {}
-    for line in text.splitlines():
-        if not line.strip():
-            if cur:
-                blocks.append(cur)
-                cur = {}
-            continue
-        key, sep, value = line.partition(":")
-        if sep:
-            cur[key.strip()] = value.strip()
-    if cur:
-        blocks.append(cur)
-    return blocks
-
-
-def _flags_from_cpuinfo(blocks: list[dict[str, str]]) -> Optional[frozenset[str]]:
-    for b in blocks:
-        for key in ("flags", "Features"):  # x86 / arm64
-            if key in b:
-                return frozenset(b[key].lower().split())
-    return None
-
-
-def _flags_from_py_cpuinfo() -> frozenset[str]:
-    try:
-        import cpuinfo  # py-cpuinfo: slow (may spawn a subprocess), so only as a fallback
-
-        return frozenset(str(f).lower() for f in cpuinfo.get_cpu_info().get("flags", []))
-    except Exception as exc:  # any failure here only costs us the feature flags
-        log.info("cpuddp: could not read CPU flags with py-cpuinfo either: %s", exc)
-        return frozenset()
-
-
-def _allowed(online: frozenset[int]) -> frozenset[int]:
-    if hasattr(os, "sched_getaffinity"):
-        return frozenset(os.sched_getaffinity(0))
-    try:
-        import psutil
-
-        return frozenset(psutil.Process().cpu_affinity())
-    except Exception:
-        return online
-
-
 def read_topology(root: PathLike = "/", *, allowed: Optional[Iterable[int]] = None) -> Topology:
-    """Read this machine's :class:`Topology` (the only impure function in this module).
+    """Read this machine's :class:`Topology` (the only impure function here; the reading
+    itself is in :mod:`cpuddp.topology_read`).
 
     ``root``: the filesystem root holding ``sys/`` and ``proc/`` (a fake tree in tests).
     ``allowed``: the affinity mask to record; default ``os.sched_getaffinity(0)``.
     """
-    root = Path(root)
-    cpu_dir = root / "sys/devices/system/cpu"
-    notes: list[str] = []
+    from .topology_read import read_topology as read
 
-    # Online CPUs.
-    online_text = _read(cpu_dir / "online")
-    if online_text is not None and online_text.strip():
-        online = parse_cpulist(online_text)
-    else:
-        present = sorted(int(p.name[3:]) for p in cpu_dir.glob("cpu[0-9]*")) if cpu_dir.is_dir() else []
-        if present:
-            online = frozenset(present)
-            notes.append(f"{cpu_dir / 'online'} unreadable: took the cpuN directories as online")
-        else:
-            import psutil
-
-            online = frozenset(range(psutil.cpu_count(logical=True) or os.cpu_count() or 1))
-            notes.append(f"{cpu_dir} unreadable: took CPUs 0..{len(online) - 1} from psutil")
-
-    # Sockets and cores: sysfs, else /proc/cpuinfo, else one core per logical CPU.
-    cpuinfo_text = _read(root / "proc/cpuinfo") or ""
-    blocks = _cpuinfo_blocks(cpuinfo_text)
-    layout: dict[int, tuple[int, int]] = {}  # cpu -> (core, socket)
-    source = "sysfs"
-    for c in sorted(online):
-        tdir = cpu_dir / f"cpu{c}" / "topology"
-        pkg = _read_int(tdir / "physical_package_id")
-        sib = _read(tdir / "core_cpus_list") or _read(tdir / "thread_siblings_list")
-        if pkg is None or sib is None:
-            layout = {}
-            break
-        try:
-            siblings = parse_cpulist(sib) or frozenset([c])
-        except ValueError:
-            layout = {}
-            break
-        layout[c] = (min(siblings), max(pkg, 0))
-    if not layout:
-        source = "/proc/cpuinfo"
-        by_id: dict[tuple[int, int], int] = {}
-        for b in blocks:
-            try:
-                c, pkg, core_id = int(b["processor"]), int(b["physical id"]), int(b["core id"])
-            except (KeyError, ValueError):
-                layout = {}
-                break
-            if c in online:
-                first = by_id.setdefault((pkg, core_id), c)
-                layout[c] = (first, pkg)
-        if not layout or set(layout) != set(online):
-            layout = {c: (c, 0) for c in online}
-            import psutil
-
-            physical = psutil.cpu_count(logical=False)
-            source = "flat"
-            reason = (
-                f"no core/socket ids in {cpu_dir}/cpuN/topology or /proc/cpuinfo: "
-                f"treating each of the {len(online)} logical CPUs as its own core on socket 0"
-            )
-            if physical and physical < len(online):
-                reason += f" (psutil counts {physical} physical cores, but not which CPUs share one)"
-            notes.append(reason)
-            log.info("cpuddp: %s", reason)
-
-    # NUMA nodes: sysfs, else one node per socket.
-    numa: dict[int, int] = {}
-    node_dir = root / "sys/devices/system/node"
-    if node_dir.is_dir():
-        for nd in sorted(node_dir.glob("node[0-9]*")):
-            text = _read(nd / "cpulist")
-            if text is None:
-                continue
-            try:
-                for c in parse_cpulist(text):
-                    numa.setdefault(c, int(nd.name[4:]))
-            except ValueError:
-                continue
-    if not numa:
-        notes.append(f"no NUMA information in {node_dir}: one NUMA node per socket")
-    cpus = tuple(
-        LogicalCpu(c, core, sock, numa.get(c, sock)) for c, (core, sock) in sorted(layout.items())
-    )
-
-    # Flags: /proc/cpuinfo, else py-cpuinfo.
-    flags = _flags_from_cpuinfo(blocks)
-    if flags is None:
-        notes.append("no flags line in /proc/cpuinfo: asked py-cpuinfo")
-        flags = _flags_from_py_cpuinfo()
-
-    quota, cpuset, where = _read_cgroup(root)
-    if quota is not None:
-        notes.append(f"CPU quota {quota:g} CPUs from {where}")
-    topo = Topology(
-        cpus=cpus,
-        online=online,
-        allowed=frozenset(allowed) if allowed is not None else _allowed(online),
-        cgroup_cpus=cpuset,
-        quota=quota,
-        flags=flags,
-        source=source,
-        notes=tuple(notes),
-    )
-    log.debug("cpuddp: topology %s", topo.as_dict())
-    return topo
+    return read(root, allowed=allowed)

@@ -39,10 +39,10 @@ a throughput workload, too slow to learn this task in a demo's time.
 What it shows: ``init_distributed`` (launcher, backend, pinning), ``prepare`` (bf16 when the
 CPU has AMX or AVX512-BF16, else fp32 and the reason; fused AdamW; DDP), ``shard``,
 ``reduce_mean``, ``Progress`` (rank 0's progress bar, or a line per ``--log-every`` steps
-when stderr is not a terminal) and a final summary.  ``--batch-size`` is per rank;
-samples/s counts every rank's samples and leaves out the ``--warmup-steps``.  With
-``--size bench``, ``--model hf`` builds ``transformers.BertForSequenceClassification``
-instead of the plain-torch ``TinyBert``.  ``--result-json`` writes the numbers as JSON.
+when stderr is not a terminal) and a final summary (``print0``: rank 0 prints it).
+``--batch-size`` is per rank; samples/s counts every rank's samples and leaves out the
+``--warmup-steps``.  With ``--size bench``, ``--model hf`` builds
+``transformers.BertForSequenceClassification`` instead of the plain-torch ``TinyBert``.  ``--result-json`` writes the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -258,9 +258,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     env = cpuddp.init_distributed(pin=not args.no_pin)
+    backend = cpuddp.get_session().backend
     if args.threads:
         torch.set_num_threads(args.threads)
-    main_rank = cpuddp.is_main_process()
     if args.seq_len > SIZES[args.size]["max_positions"]:
         raise SystemExit(f"--seq-len {args.seq_len} is longer than --size {args.size} allows "
                          f"({SIZES[args.size]['max_positions']} positions); use a shorter one or --size bench")
@@ -287,12 +287,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise SystemExit(f"--num-samples {num_samples} gives no full batch of {args.batch_size} per rank")
     warmup = min(5, args.steps // 5) if args.warmup_steps is None else args.warmup_steps
     precision = info.mixed_precision or "fp32"
-    if main_rank:
-        nparams = sum(p.numel() for p in cpuddp.unwrap(model).parameters())
-        print(f"{model_name}: {nparams / 1e6:.2f} M parameters | {len(train)} training pairs, "
-              f"{args.steps} steps x {per_step} | {env.world_size} rank(s) x {torch.get_num_threads()} thread(s), "
-              f"launcher {env.launcher}, backend {env.backend or 'none'} | precision {precision}"
-              + (", fused AdamW" if info.fused_optimizer else ""), flush=True)
+    nparams = sum(p.numel() for p in cpuddp.unwrap(model).parameters())
+    cpuddp.print0(f"{model_name}: {nparams / 1e6:.2f} M parameters | {len(train)} training pairs, "
+                  f"{args.steps} steps x {per_step} | {env.world_size} rank(s) x {torch.get_num_threads()} thread(s), "
+                  f"launcher {env.launcher}, backend {backend} | precision {precision}"
+                  + (", fused AdamW" if info.fused_optimizer else ""))
 
     model.train()
     batches = iter(loader)
@@ -335,7 +334,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "batch_size_per_rank": args.batch_size,
         "world_size": env.world_size,
         "threads_per_rank": torch.get_num_threads(),
-        "backend": env.backend,
+        "backend": backend,
         "precision": precision,
         "requested_precision": "bf16" if args.bf16 else "fp32",
         "precision_reason": info.precision_reason,
@@ -347,11 +346,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     }
     if args.save:
         cpuddp.save_state_dict(model, args.save)
-    if main_rank:
-        print(summary(result), flush=True)
-        if args.result_json:
-            with open(args.result_json, "w", encoding="utf-8") as fh:
-                json.dump(result, fh, indent=1)
+    cpuddp.print0(summary(result))
+    if args.result_json and cpuddp.is_main_process():
+        with open(args.result_json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=1)
     cpuddp.shutdown()
     return 0
 

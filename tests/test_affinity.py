@@ -71,7 +71,8 @@ def test_fewer_ranks_than_sockets_spans_them() -> None:
 def test_uneven_ranks_stay_on_their_socket_and_warn() -> None:
     ps = plans(XEON, 3)
     assert [len(p.cpus) for p in ps] == [28, 28, 56]
-    assert all("unequal shares (28 to 56 cores)" in w for p in ps for w in p.warnings)
+    assert all(w.code == "unequal-shares" and "unequal shares (28 to 56 cores)" in str(w) for p in ps for w in p.warnings)
+    assert str(ps[0].warnings[0]).endswith(". Fix: use a rank count that divides each socket's cores")
 
 
 def test_deterministic() -> None:
@@ -108,7 +109,7 @@ def test_unequal_numa_nodes_deal_ranks_by_size() -> None:
     assert "split by NUMA node" in ps[0].reason
     two = plans(topo, 2)
     assert [len(p.cpus) for p in two] == [48, 8]
-    assert "unequal shares" in two[0].warnings[0]
+    assert two[0].warnings[0].code == "unequal-shares" and "unequal shares" in str(two[0].warnings[0])
 
 
 def test_unequal_sockets() -> None:
@@ -131,7 +132,7 @@ def test_ccl_workers_not_reserved_when_no_core_left() -> None:
     ps = plans(synthetic_topology(1, 2), 2, ccl_workers=1)
     assert [p.cpus for p in ps] == [(0,), (1,)]
     assert all(p.ccl_worker_cpus == () and "CCL_WORKER_AFFINITY" not in p.env for p in ps)
-    assert "CCL_WORKER_COUNT=1" in ps[0].warnings[0]
+    assert ps[0].warnings[0].code == "ccl-workers-unreserved" and "CCL_WORKER_COUNT=1" in str(ps[0].warnings[0])
 
 
 def test_more_ranks_than_cores_warns_and_shares() -> None:
@@ -139,22 +140,26 @@ def test_more_ranks_than_cores_warns_and_shares() -> None:
     ps = plans(topo, 5)
     assert [p.cpus for p in ps] == [(0,), (1,), (0,), (1,), (0,)]
     assert all(p.num_threads == 1 for p in ps)
-    assert "oversubscribed: 5 local ranks on 2 cores" in ps[0].warnings[0]
+    w = ps[0].warnings[0]
+    assert w.code == "oversubscribed" and w.message.startswith("oversubscribed: 5 local ranks on 2 cores")
+    assert w.fix == "start at most 2 ranks per node, or give the job more CPUs"
+    assert str(w) == f"{w.message}. Fix: {w.fix}"
 
 
 def test_more_ranks_than_cores_uses_siblings_first() -> None:
     topo = synthetic_topology(1, 2, 2)  # CPUs 0,2 and 1,3 are siblings
     ps = plans(topo, 4)
     assert [p.cpus for p in ps] == [(0,), (2,), (1,), (3,)]
-    assert "hyperthread siblings" in ps[0].warnings[0]
-    assert not any("oversubscribed" in w for w in ps[0].warnings)
+    assert ps[0].warnings[0].code == "hyperthreads-shared" and "hyperthread siblings" in str(ps[0].warnings[0])
+    assert not any(w.code == "oversubscribed" or "oversubscribed" in str(w) for w in ps[0].warnings)
 
 
 def test_explicit_threads_win() -> None:
     p = plan_pinning(XEON, 0, 2, omp_num_threads=8)
     assert p.num_threads == 8 and len(p.cpus) == 56 and p.env["OMP_NUM_THREADS"] == "8"
     q = plan_pinning(synthetic_topology(1, 2), 0, 2, omp_num_threads=4)
-    assert q.num_threads == 4 and "threads will share CPUs" in q.warnings[0]
+    assert q.num_threads == 4 and q.warnings[0].code == "threads-exceed-cpus"
+    assert "threads will share CPUs" in str(q.warnings[0]) and not q.warnings[0].fix
 
 
 def test_quota_caps_threads() -> None:
@@ -195,8 +200,8 @@ def test_plan_is_plain_data() -> None:
     assert json.loads(json.dumps(p.as_dict()))["cpulist"] == "1-27"
     assert pickle.loads(pickle.dumps(p)) == p
     hash(p)
-    env = DistEnv(local_rank=0, local_world_size=4, pin_plan=p)
-    assert env.as_dict()["pin_plan"]["num_threads"] == 27
+    # DistEnv no longer carries the plan (launcher facts only); the plan's own plain data does.
+    assert json.loads(json.dumps({"pin_plan": p.as_dict()}))["pin_plan"]["num_threads"] == 27
 
 
 # --------------------------------------------------------------------------- the user wins
@@ -415,3 +420,34 @@ def test_ccl_worker_affinity_matches_backends() -> None:
         e = denv("hydra", r)
         p = plan_for(e, backend="ccl", environ={}, topology=topo)
         assert backends.ccl_env(e, p, {})["CCL_WORKER_AFFINITY"] == p.env["CCL_WORKER_AFFINITY"]
+
+
+def test_plan_warnings_are_records_with_the_same_text() -> None:
+    from cpuddp.affinity import WARNING_CODES, PinWarning
+
+    p = plans(synthetic_topology(1, 2), 5)[0]
+    (w,) = p.warnings
+    assert isinstance(w, PinWarning) and w.code in WARNING_CODES
+    d = p.as_dict()
+    assert d["warnings"] == [str(w)] and d["warning_records"] == [w.as_dict()]
+    assert PinWarning.coerce(w.as_dict()) == w
+    assert json.loads(json.dumps(d))["warning_records"][0]["code"] == "oversubscribed"
+    text = PinPlan(local_rank=0, cpus=(0,), num_threads=1, warnings=("plain text",)).warnings[0]
+    assert (text.code, text.message, text.fix, str(text)) == ("other", "plain text", "", "plain text")
+    assert pickle.loads(pickle.dumps(p)) == p
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "two", "", "2,3"])
+def test_ccl_worker_count_has_one_rule(bad: str) -> None:
+    # oneCCL refuses CCL_WORKER_COUNT < 1 ("incorrect CCL_WORKER_COUNT 0"): the planner and the
+    # backend's settings read it with the same parser, so both refuse the same values.
+    backends = pytest.importorskip("cpuddp.backends")
+    topo = synthetic_topology(1, 8)
+    with pytest.raises(LauncherEnvError) as planned:
+        plan_for(denv("hydra"), backend="ccl", environ={"CCL_WORKER_COUNT": bad}, topology=topo)
+    with pytest.raises(LauncherEnvError) as exported:
+        backends.ccl_env(denv("hydra"), None, {"CCL_WORKER_COUNT": bad})
+    for info in (planned, exported):
+        assert info.value.variable == "CCL_WORKER_COUNT" and info.value.value == bad
+    # a backend that is not ccl does not read it
+    assert plan_for(denv("hydra"), backend="gloo", environ={"CCL_WORKER_COUNT": bad}, topology=topo).ccl_worker_cpus == ()

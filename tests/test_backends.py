@@ -526,7 +526,7 @@ def test_mismatched_wheel_is_never_imported(tmp_path):
             except BackendError as exc:
                 out[what] = str(exc)
         env = cpuddp.init_distributed(pin=False)
-        out["init"] = env.backend
+        out["init"] = cpuddp.get_session().backend
         out["pid"] = os.getpid()
         cpuddp.shutdown()
         print("RESULT " + json.dumps(out))
@@ -697,9 +697,10 @@ def test_backend_env_is_pure_and_only_ccl_gets_ccl_vars():
 
 
 def test_gloo_single_node_loopback_uses_lo_without_lookup():
-    for addr in ("127.0.0.1", "localhost", "::1", "127.0.1.1"):
+    # every loopback spelling cpuddp.launchers.is_loopback knows (the one check), e.g. Debian's ip6-loopback
+    for addr in ("127.0.0.1", "localhost", "::1", "127.0.1.1", "ip6-loopback", "ip6-localhost", "[::1]", "LOCALHOST"):
         env = _env(rank=0, world_size=2, local_rank=0, local_world_size=2, master_addr=addr)
-        assert gloo_env(env, {}, route_lookup=_never) == {"GLOO_SOCKET_IFNAME": "lo"}
+        assert gloo_env(env, {}, route_lookup=_never) == {"GLOO_SOCKET_IFNAME": "lo"}, addr
     assert gloo_env(_env(), {}, route_lookup=_never) == {"GLOO_SOCKET_IFNAME": "lo"}  # one process
 
 
@@ -733,8 +734,9 @@ def test_gloo_multi_node_no_route_or_loopback_route_sets_nothing(caplog):
     # MASTER_ADDR resolves to loopback on this host (the hostname trap): do not pick lo
     assert gloo_env(env, {}, route_lookup=lambda a: Route("lo", "127.0.1.1")) == {}
     assert "GLOO_SOCKET_IFNAME" in caplog.text
-    loop = env.replace(master_addr="127.0.0.1")
-    assert gloo_env(loop, {}, route_lookup=_never) == {}
+    for addr in ("127.0.0.1", "ip6-loopback"):
+        loop = env.replace(master_addr=addr)
+        assert gloo_env(loop, {}, route_lookup=_never) == {}, addr  # loopback across nodes: never looked up
 
 
 # --------------------------------------------------------------------------- netif

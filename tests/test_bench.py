@@ -1,4 +1,4 @@
-"""Pure parts of ``cpuddp bench``: sizes, bandwidth factors, table, summary, exit codes, spawner env.
+"""Pure parts of ``cpuddp bench``: sizes, bandwidth factors, table, summary, exit codes, the ranks' env.
 
 The multi-process runs (``--nproc 2``) are in tests/test_cli.py.
 """
@@ -11,20 +11,18 @@ import io
 
 import pytest
 
-from cpuddp import bench
-from cpuddp.bench import (
+from cpuddp import _procs, bench, bench_cli, bench_launch, bench_rank, bench_sweep
+from cpuddp._units import format_size, parse_size
+from cpuddp.bench_report import format_row, format_rows, rows_to_csv
+from cpuddp.bench_sweep import (
     EXIT_BELOW_MIN,
     EXIT_OK,
     EXIT_WRONG,
     bus_factor,
-    child_env,
     exit_code,
-    format_row,
-    format_rows,
     make_row,
-    parse_size,
-    rows_to_csv,
     shape_size,
+    shaped_sizes,
     summarize,
     sweep_sizes,
 )
@@ -53,6 +51,23 @@ def test_parse_size(text: str, expected: int) -> None:
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(ValueError, match="size"):
         parse_size(text)
+
+
+def test_format_size() -> None:
+    assert [format_size(n) for n in (0, 1000, 1024, 1536, 1 << 20, 3 << 30)] == [
+        "0 B", "1000 B", "1 KiB", "1.5 KiB", "1 MiB", "3 GiB"]
+
+
+def test_the_old_import_paths_still_work() -> None:
+    assert bench.parse_size is parse_size and bench.format_size is format_size
+    assert bench.format_row is format_row and bench.Row is bench_sweep.Row
+    from cpuddp.bench import run, spawn
+
+    assert run is bench_cli.run and spawn is bench_launch.spawn
+    with pytest.deprecated_call():
+        assert bench.free_port() > 0
+    with pytest.warns(DeprecationWarning):
+        assert bench.child_env({}, 0, 2, 29555)["MASTER_PORT"] == "29555"
 
 
 def test_sweep_sizes() -> None:
@@ -92,6 +107,12 @@ def test_shape_size_rounds_to_whole_chunks() -> None:
     assert shape_size(1000, "all_gather", 3, 4) == (996, 249)  # 83 float32 per rank
     assert shape_size(4, "reduce_scatter", 4, 4) == (16, 4)  # at least one element per rank
     assert shape_size(1, "allreduce", 2, 8) == (8, 1)
+
+
+def test_shaped_sizes_drop_repeats_after_rounding() -> None:
+    # 8 and 16 bytes both round up to one float32 per rank of 4 for all_gather: one row, not two
+    assert shaped_sizes(8, 32, 2, "all_gather", 4, 4) == [(16, 4), (32, 8)]
+    assert shaped_sizes(1024, 4096, 2, "allreduce", 2, 4) == [(1024, 256), (2048, 512), (4096, 1024)]
 
 
 def test_make_row_bandwidths() -> None:
@@ -141,18 +162,24 @@ def test_csv_round_trip() -> None:
     assert parsed[0]["inplace"] == "0"
 
 
-def test_child_env_strips_other_launchers() -> None:
+def test_rank_environment_strips_other_launchers() -> None:
     parent = {"PATH": "/bin", "PMI_RANK": "3", "OMPI_COMM_WORLD_RANK": "1", "SLURM_PROCID": "0",
-              "RANK": "5", "MASTER_ADDR": "10.0.0.1", "OMP_NUM_THREADS": "4", "TORCHELASTIC_RUN_ID": "x"}
-    env = child_env(parent, 1, 2, 29555)
-    assert env["RANK"] == "1" and env["WORLD_SIZE"] == "2"
-    assert env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "2"
-    assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "29555"
-    assert env["OMP_NUM_THREADS"] == "4" and env["PATH"] == "/bin"
-    for gone in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TORCHELASTIC_RUN_ID"):
-        assert gone not in env
-    assert env[bench.CHILD_MARK] == "1"
+              "RANK": "5", "MASTER_ADDR": "10.0.0.1", "OMP_NUM_THREADS": "4", "TORCHELASTIC_RUN_ID": "x",
+              "CCL_WORKER_COUNT": "2", "GLOO_SOCKET_IFNAME": "eth0"}
+    base = _procs.world_environ(parent, 2, 29555, extra={bench.CHILD_MARK: "1"})
+    assert base["WORLD_SIZE"] == "2" and base["LOCAL_WORLD_SIZE"] == "2"
+    assert base["MASTER_ADDR"] == "127.0.0.1" and base["MASTER_PORT"] == "29555"
+    assert base["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the parent hosts the store
+    assert base["OMP_NUM_THREADS"] == "4" and base["PATH"] == "/bin"
+    assert base["CCL_WORKER_COUNT"] == "2" and base["GLOO_SOCKET_IFNAME"] == "eth0"  # bench keeps backend settings
+    for gone in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TORCHELASTIC_RUN_ID", "RANK"):
+        assert gone not in base
+    assert base[bench.CHILD_MARK] == "1"
     assert parent["RANK"] == "5"  # the parent's mapping is untouched
+    tests_env = _procs.world_environ(parent, 2, 29555, strip_backend_settings=True)
+    assert "CCL_WORKER_COUNT" not in tests_env and "GLOO_SOCKET_IFNAME" not in tests_env
+    with pytest.raises(ValueError, match="MASTER_PORT"):
+        _procs.world_environ(parent, 2, 29555, extra={"MASTER_PORT": "1"})
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -211,8 +238,14 @@ def test_backend_list_parses_in_order_and_rejects_repeats_and_blanks(capsys: pyt
     for bad in ("gloo,gloo", "gloo,", ""):
         with pytest.raises(SystemExit):
             _parse("allreduce", "--backend", bad)
-    assert bench.run(_parse("allreduce", "--backend", "gloo,shm", "--compare-bare"), []) == bench.EXIT_USAGE
-    assert "--compare-bare times one backend" in capsys.readouterr().err
+
+
+def test_compare_bare_is_gone_with_a_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        _parse("allreduce", "--compare-bare")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--compare-bare was removed" in err and "--backend a,b" in err
 
 
 def _row(backend_time_us: float, size: int = 1 << 20) -> bench.Row:
@@ -236,7 +269,7 @@ def test_backend_rows_give_the_speed_up_of_each_backend_over_the_first_and_align
 def _exchange():
     import torch.distributed as dist
 
-    return bench.exchange_json({"rank": dist.get_rank(), "text": "é" * (dist.get_rank() + 1)})
+    return bench_rank.exchange_json({"rank": dist.get_rank(), "text": "é" * (dist.get_rank() + 1)})
 
 
 @pytest.mark.slow
@@ -247,7 +280,9 @@ def test_exchange_json_gathers_every_ranks_value_in_order_without_object_collect
     assert run_distributed(_exchange, 2, timeout=120) == [want, want]
     import inspect
 
-    assert "all_gather_object" not in inspect.getsource(bench._run_rank)
+    for fn in (bench_rank.run_rank, bench_rank._run_rank, bench_rank._meta, bench_rank._sweep,
+               bench_rank._compare_backends):
+        assert "all_gather_object" not in inspect.getsource(fn), fn.__name__
 
 
 def test_bounded_teardown_abandons_a_call_that_hangs(capsys: pytest.CaptureFixture[str]) -> None:
@@ -256,8 +291,8 @@ def test_bounded_teardown_abandons_a_call_that_hangs(capsys: pytest.CaptureFixtu
 
     release = threading.Event()
     start = time.monotonic()
-    assert bench._bounded(lambda: release.wait(30), 0.2, "destroy_process_group") is False
+    assert bench_rank._bounded(lambda: release.wait(30), 0.2, "destroy_process_group") is False
     assert time.monotonic() - start < 5
     release.set()
     assert "destroy_process_group did not return within 0.2 s" in capsys.readouterr().err
-    assert bench._bounded(lambda: None, 5, "x") is True
+    assert bench_rank._bounded(lambda: None, 5, "x") is True

@@ -269,7 +269,7 @@ RANK_SCRIPT = """
     out = {"sum": t.tolist(), "backend": dist.get_backend(), "pid": os.getpid(),
            "compute_tid": compute.native_id, "compute_cpus": cpus(compute.native_id),
            "worker_cpus_now": [cpus(w) for w in workers], "pinned_at": pinned_at,
-           "plan_cpus": list(env.pin_plan.cpus) if env.pin_plan is not None else None,
+           "plan_cpus": list(cpuddp.get_session().pin_plan.cpus) if cpuddp.get_session().pin_plan is not None else None,
            "wide": wide}
     with open(os.environ["RESULT"], "w") as f:
         json.dump(out, f)

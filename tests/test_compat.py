@@ -93,3 +93,46 @@ def test_init_refuses_a_torch_older_than_the_floor(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.7.1+cpu")
     with pytest.raises(BackendError, match=r"torch 2.7.1\+cpu is older than cpuddp supports"):
         cpuddp.init_distributed(environ={}, pin=False)
+
+
+@pytest.mark.parametrize(
+    "version, torch, ok, built_for",
+    [
+        ("2.8.0+cpu", "2.8.1", True, "torch 2.8"),
+        ("2.8.0", "2.13.0+cpu", False, "torch 2.8"),
+        ("2.13.10", "2.13.0+cpu", True, "torch 2.13"),
+        ("1.9.0", "1.10.0", False, "torch 1.9"),  # "1.9" > "1.10" as strings, not as versions
+        ("2.10.1", "2.1.0", False, "torch 2.10"),
+        ("not-a-version", "2.8.0", False, "an unknown torch (its version 'not-a-version' is not a valid version)"),
+        ("2.8.0", "garbage!", False, "torch 2.8"),
+    ],
+)
+def test_torch_pairing_is_one_rule(version, torch, ok, built_for):
+    from cpuddp import _ipex, doctor
+    from cpuddp.backends import ccl_pairing
+
+    pairing = _compat.torch_pairing(version, torch)
+    assert (pairing.ok, pairing.built_for) == (ok, built_for)
+    assert (pairing.error is not None) == ("not-a-version" in version or "garbage" in torch)
+    # every caller answers with it: IPEX's probe, the oneCCL bindings' check, doctor
+    assert _ipex.check_versions(version, torch).usable is ok
+    assert ccl_pairing(version, torch) == (ok, built_for)
+    assert doctor.version_match(torch, version) is ok
+
+
+def test_torch_pairing_exact_releases():
+    exact = {(1, 12, 100): (1, 12, 1)}
+    assert _compat.torch_pairing("1.12.100", "1.12.1", exact=exact) == (True, "torch 1.12.1 only", None)
+    assert _compat.torch_pairing("1.12.100", "1.12.0", exact=exact).ok is False
+    assert _compat.torch_pairing("1.12.100", "1.12.0").ok is True  # without the table: major.minor
+
+
+def test_doctor_does_not_override_its_own_match(monkeypatch):
+    # The bindings' exact pairs decide doctor's verdict once (1.12.0 is for torch 1.12.0 only).
+    from cpuddp import doctor
+
+    installed = {"torch": "1.12.1", "oneccl_bind_pt": "1.12.0", "intel_extension_for_pytorch": "1.12.300"}
+    monkeypatch.setattr(doctor, "_dist_version", installed.get)
+    v = doctor._versions()
+    assert v["oneccl_bind_pt_matches_torch"] is False and v["oneccl_bind_pt_built_for"] == "torch 1.12.0 only"
+    assert v["ipex_matches_torch"] is True and v["ipex_built_for"] == "torch 1.12"

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import cpuddp
-from cpuddp.distributed import _timeout
+from cpuddp.distributed import Session, _timeout, get_session
+from cpuddp.env import DistEnv
 from cpuddp.errors import RendezvousError
 
 
@@ -19,7 +20,8 @@ def test_world_of_one_without_launcher_just_works():
     environ: dict[str, str] = {}
     env = cpuddp.init_distributed(environ=environ, pin=False)
     try:
-        assert (env.rank, env.world_size, env.launcher, env.backend) == (0, 1, "none", "gloo")
+        assert (env.rank, env.world_size, env.launcher, get_session().backend) == (0, 1, "none", "gloo")
+        assert get_session().env is env and get_session().pin_plan is None  # pin=False
         assert dist.is_initialized() and dist.get_world_size() == 1
         t = torch.ones(3)
         dist.all_reduce(t)
@@ -29,8 +31,29 @@ def test_world_of_one_without_launcher_just_works():
         assert cpuddp.get_env() is env
     finally:
         cpuddp.shutdown()
-    assert not dist.is_initialized() and cpuddp.get_env() is None
+    assert not dist.is_initialized() and cpuddp.get_env() is None and get_session() is None
     cpuddp.shutdown()  # and safe when nothing is initialized
+
+
+def test_env_backend_and_pin_plan_are_deprecated_and_forward_to_the_session():
+    env = cpuddp.init_distributed(environ={}, pin=True)
+    try:
+        sess = get_session()
+        assert isinstance(sess, Session) and sess.backend == "gloo" and sess.pin_plan is not None
+        with pytest.warns(DeprecationWarning, match="get_session"):
+            assert env.backend == "gloo"
+        with pytest.warns(DeprecationWarning, match="get_session"):
+            assert env.pin_plan is sess.pin_plan
+        # the plain-data views keep the keys they always had (DistEnv's for one release)
+        assert env.as_dict()["backend"] == "gloo" == sess.as_dict()["backend"]
+        assert env.as_dict()["pin_plan"] == sess.pin_plan.as_dict() == sess.as_dict()["pin_plan"]
+        assert sess.as_dict()["rank"] == 0 and sess.as_dict()["sources"]["rank"] == "default"
+    finally:
+        cpuddp.shutdown()
+    with pytest.warns(DeprecationWarning):
+        assert DistEnv().backend is None  # a DistEnv no init made has no backend
+    with pytest.warns(DeprecationWarning):
+        assert DistEnv().pin_plan is None
 
 
 def test_session_context_manager_tears_down():
@@ -84,7 +107,7 @@ def _allreduce_rank() -> dict:
     env = cpuddp.get_env()
     t = torch.full((4,), float(env.rank + 1))
     dist.all_reduce(t)
-    return {"rank": env.rank, "sum": t[0].item(), "backend": env.backend, "launcher": env.launcher}
+    return {"rank": env.rank, "sum": t[0].item(), "backend": get_session().backend, "launcher": env.launcher}
 
 
 @pytest.mark.timeout(120)

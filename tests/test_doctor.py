@@ -35,6 +35,10 @@ def _plan(cpus: list[int], threads: Optional[int] = None, **kw: Any) -> dict[str
     return d
 
 
+def _rec(code: str, message: str, fix: str = "") -> dict[str, str]:
+    return {"code": code, "message": message, "fix": fix}
+
+
 def codes(warnings: list[dict[str, str]]) -> list[str]:
     return [w["code"] for w in warnings]
 
@@ -61,7 +65,8 @@ def test_quiet_single_process() -> None:
 
 def test_more_ranks_than_cpus() -> None:
     w = diagnose(_env(world_size=4, local_world_size=4), {}, cpus=2,
-                 plans=[_plan([0], warnings=["oversubscribed: 4 local ranks on 2 cores. Fix: fewer"])] * 4)
+                 plans=[_plan([0], warning_records=[_rec("oversubscribed", "oversubscribed: 4 local ranks on 2 cores",
+                                                          "fewer")])] * 4)
     assert codes(w) == ["oversubscribed"]  # the planner's own oversubscription warning is not repeated
     assert "4 ranks" in w[0]["message"] and "2 usable CPU" in w[0]["message"]
 
@@ -75,7 +80,8 @@ def test_threads_oversubscribe_without_plan() -> None:
 
 
 def test_omp_conflict_with_plan() -> None:
-    plans = [_plan([0, 1, 2, 3], threads=8, warnings=["8 threads asked for local rank 0, which is pinned to 4 CPUs"])]
+    plans = [_plan([0, 1, 2, 3], threads=8, warning_records=[
+        _rec("threads-exceed-cpus", "8 threads asked for local rank 0, which is pinned to 4 CPUs")])]
     w = diagnose(_env(), {"OMP_NUM_THREADS": "8"}, cpus=4, plans=plans)
     assert codes(w) == ["oversubscribed", "omp-conflict"]
     assert "threads will share CPUs" in w[1]["message"]
@@ -132,11 +138,30 @@ def test_single_node_ignores_loopback() -> None:
 
 
 def test_planner_warnings_are_passed_on_once() -> None:
-    text = "local ranks get unequal shares (1 to 2 cores). Fix: use a rank count that divides"
+    rec = _rec("unequal-shares", "local ranks get unequal shares (1 to 2 cores)", "use a rank count that divides")
     w = diagnose(_env(world_size=2, local_world_size=2), {}, cpus=3,
-                 plans=[_plan([0, 1], warnings=[text]), _plan([2], warnings=[text])])
+                 plans=[_plan([0, 1], warning_records=[rec]), _plan([2], warning_records=[rec])])
     assert codes(w) == ["pinning"]
-    assert w[0]["fix"] == "use a rank count that divides" and "Fix" not in w[0]["message"]
+    assert w[0]["fix"] == "use a rank count that divides" and w[0]["message"] == rec["message"]
+
+
+def test_planner_warnings_come_from_the_real_planner_as_records() -> None:
+    # The planner's records, through PinPlan.as_dict(), reach doctor without any text parsing:
+    # its oversubscription is covered by doctor's own; an unequal share is passed on.
+    from cpuddp.affinity import plan_pinning
+    from cpuddp.topology import synthetic_topology
+
+    over = [plan_pinning(synthetic_topology(1, 2), r, 3).as_dict() for r in range(3)]
+    assert over[0]["warning_records"][0]["code"] == "oversubscribed"
+    w = diagnose(_env(world_size=3, local_world_size=3), {}, cpus=2, plans=over)
+    assert codes(w) == ["oversubscribed"]
+    uneven = [plan_pinning(synthetic_topology(1, 3), r, 2).as_dict() for r in range(2)]
+    w = diagnose(_env(world_size=2, local_world_size=2), {}, cpus=3, plans=uneven)
+    assert codes(w) == ["pinning"] and w[0]["fix"] == "use a rank count that divides each socket's cores"
+    assert uneven[0]["warnings"] == [f"{w[0]['message']}. Fix: {w[0]['fix']}"]  # the same text as logged
+    # plain text (an older plan's JSON) is passed on whole, never split
+    legacy = diagnose(_env(world_size=2, local_world_size=2), {}, cpus=3, plans=[_plan([0, 1], warnings=["a. Fix: b"])])
+    assert legacy == [{"code": "pinning", "message": "a. Fix: b", "fix": "see the pinning plan"}]
 
 
 def test_collect_degrades_and_formats(tmp_path: Path) -> None:

@@ -51,7 +51,7 @@ for _ in range(3):
     opt.zero_grad()
     torch.nn.functional.mse_loss(ddp(x), y).backward()
     opt.step()
-plan = env.pin_plan
+plan = cpuddp.distributed.get_session().pin_plan
 with open(os.path.join(outdir, f"rank{env.rank}.json"), "w") as f:
     json.dump({
         "rank": env.rank, "local_rank": env.local_rank, "local_world_size": env.local_world_size,

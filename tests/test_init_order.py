@@ -30,10 +30,10 @@ def _thread_cpus() -> dict[int, frozenset[int]]:
 
 
 def _affinities() -> dict:
-    env = cpuddp.get_env()
+    plan = distributed.get_session().pin_plan
     threads = _thread_cpus()
     main = threads.pop(threading.get_native_id())
-    return {"plan": sorted(env.pin_plan.cpus), "main": sorted(main),
+    return {"plan": sorted(plan.cpus), "main": sorted(main),
             "others": sorted(sorted(c) for c in threads.values()), "allowed": sorted(os.sched_getaffinity(0))}
 
 

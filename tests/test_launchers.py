@@ -13,7 +13,10 @@ import pytest
 
 from cpuddp import DistEnv, LauncherEnvError, detect
 from cpuddp.env import DEFAULT_PORT, PORT_RANGE
+from cpuddp.env import Provenance, Source
 from cpuddp.launchers import READERS, derive_port, expand_nodelist, expand_tasks_per_node, is_loopback
+from cpuddp.launchers import detect as detect_direct
+from cpuddp.netif import is_loopback_address
 
 MPICH_RANK1 = {
     "PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "9", "PMI_HOSTNAME": "vm",
@@ -191,9 +194,51 @@ def test_expand_tasks_per_node_rejects_malformed(bad):
         expand_tasks_per_node(bad)
 
 
-@pytest.mark.parametrize(
-    "addr, loop", [("127.0.0.1", True), ("127.0.1.1", True), ("localhost", True), ("::1", True),
-                   ("[::1]", True), ("10.0.0.1", False), ("node01", False), ("", False)],
-)
-def test_is_loopback(addr, loop):
+# (address, is loopback, is an IP address rather than a name)
+LOOPBACK = [
+    ("127.0.0.1", True, True), ("127.0.1.1", True, True), ("localhost", True, False), ("::1", True, True),
+    ("[::1]", True, True), ("10.0.0.1", False, True), ("node01", False, False), ("", False, False),
+    ("ip6-loopback", True, False), ("ip6-localhost", True, False), ("LocalHost", True, False),
+    ("localhost6", True, False), ("::ffff:127.0.0.1", True, True), ("[::ffff:127.0.1.1]", True, True),
+    ("::ffff:10.0.0.1", False, True), ("::1%lo", True, True), ("fe80::1%eth0", False, True),
+    (" 127.0.0.1 ", True, True), ("localhost.example", False, False),
+]
+
+
+@pytest.mark.parametrize("addr, loop, address", LOOPBACK)
+def test_is_loopback(addr, loop, address):
     assert is_loopback(addr) is loop
+    # netif's address test is the same check, for addresses only (a name is not an address)
+    assert is_loopback_address(addr) is (loop and address)
+
+
+def test_an_ip6_loopback_master_addr_keeps_every_rank_on_this_host():
+    env = detect({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "ip6-loopback"})
+    assert (env.local_rank, env.local_world_size, env.num_nodes) == (1, 2, 1)
+    assert env.sources["local_rank"] == "derived: MASTER_ADDR is loopback"
+
+
+def test_sources_say_where_each_value_came_from_as_kind_and_text():
+    env = detect({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"})
+    src = env.sources
+    assert (src["rank"].kind, src["rank"].detail, src["rank"]) == (Source.VARIABLE, "PMI_RANK", "PMI_RANK")
+    assert src["node_rank"].kind is Source.DERIVED and src["node_rank"].startswith("derived: ")
+    assert src["master_addr"].kind is Source.PENDING
+    assert src["master_port"].kind is Source.DEFAULT and src["master_port"] == "default"
+    assert detect({}).sources["rank"].kind is Source.DEFAULT
+    # the text reads back to the same provenance (plain data: as_dict, doctor --json)
+    plain = env.as_dict()["sources"]
+    assert all(type(v) is str for v in plain.values())
+    assert {k: Provenance.of(v) for k, v in plain.items()} == src
+    assert all(Provenance.of(v).kind is src[k].kind for k, v in plain.items())
+    clone = pickle.loads(pickle.dumps(env))
+    assert clone.sources == src and clone.sources["master_addr"].kind is Source.PENDING
+    with pytest.raises(ValueError, match="VARIABLE"):
+        Provenance(Source.VARIABLE, "")
+
+
+def test_env_detect_is_a_deprecated_alias():
+    import cpuddp.env
+
+    with pytest.warns(DeprecationWarning, match="cpuddp.launchers.detect"):
+        assert cpuddp.env.detect is detect_direct

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from cpuddp.errors import PrepareError
 from cpuddp.loop import (
     ShardedLoader,
-    autocast,
+    autocast_for,
     barrier,
     is_main_process,
     load_state_dict,
@@ -25,7 +26,7 @@ from cpuddp.loop import (
     save_state_dict,
     shard,
 )
-from cpuddp.preparation import prepare, unwrap
+from cpuddp.preparation import prepare, prepared_info, unwrap
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -120,11 +121,68 @@ def test_shard_refuses_what_it_cannot_shard():
         shard(custom, num_replicas=2, rank=0)
 
 
-def test_autocast_defaults_to_bf16():
-    with autocast():
-        assert torch.is_autocast_enabled("cpu")
-    with autocast(enabled=False):
+def _cpu_with_bf16(monkeypatch, native: bool) -> None:
+    """Make torch's own probes (the first thing prepare's CPU probe asks) report this CPU kind."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: native, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native, raising=False)
+
+
+def test_autocast_for_without_a_model_is_bf16_on_a_bf16_cpu(monkeypatch):
+    _cpu_with_bf16(monkeypatch, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with autocast_for():
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with autocast_for(enabled=False):
         assert not torch.is_autocast_enabled("cpu")
+    assert prepared_info(prepare(nn.Linear(2, 2), mixed_precision="bf16", ipex=False)).mixed_precision == "bf16"
+
+
+def test_autocast_for_without_a_model_stays_fp32_on_another_cpu(monkeypatch):
+    _cpu_with_bf16(monkeypatch, False)
+    with pytest.warns(UserWarning, match=r"^cpuddp.autocast_for: bf16 requested but CPU has neither AMX nor "
+                                         r"AVX512-BF16 .*staying in fp32$") as rec:
+        with autocast_for():
+            assert not torch.is_autocast_enabled("cpu")
+    assert rec[0].filename == __file__  # stacklevel: the user's line
+    # the same sentence as prepare's, which makes the same decision on this CPU
+    with pytest.warns(UserWarning) as prep:
+        assert prepared_info(prepare(nn.Linear(2, 2), mixed_precision="bf16", ipex=False)).mixed_precision is None
+    assert str(prep[0].message).replace("cpuddp.prepare: ", "") == str(rec[0].message).replace(
+        "cpuddp.autocast_for: ", "")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for explicitly: no probe, no warning
+        with autocast_for(enabled=True):
+            assert torch.is_autocast_enabled("cpu")
+        with autocast_for(dtype=torch.float16):
+            assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16
+
+
+def test_autocast_for_a_prepared_model_follows_prepare(monkeypatch):
+    _cpu_with_bf16(monkeypatch, False)  # the model decides, not the CPU
+    fp = prepare(nn.Linear(2, 2), ipex=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with autocast_for(fp):
+            assert not torch.is_autocast_enabled("cpu")
+    _cpu_with_bf16(monkeypatch, True)
+    bf = prepare(nn.Linear(2, 2), mixed_precision="bf16", ipex=False)
+    _cpu_with_bf16(monkeypatch, False)
+    with autocast_for(bf):
+        assert torch.is_autocast_enabled("cpu")
+
+
+def test_autocast_is_a_deprecated_alias_of_autocast_for(monkeypatch):
+    import cpuddp
+    import cpuddp.loop
+
+    _cpu_with_bf16(monkeypatch, True)
+    with pytest.warns(DeprecationWarning, match="use cpuddp.autocast_for"):
+        ctx = cpuddp.loop.autocast()
+    with ctx:
+        assert torch.is_autocast_enabled("cpu")
+    with pytest.warns(DeprecationWarning, match="use cpuddp.autocast_for"):
+        assert cpuddp.autocast is autocast_for
 
 
 def test_save_and_load_single_process(tmp_path):

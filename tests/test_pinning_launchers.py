@@ -34,7 +34,7 @@ SCRIPT = textwrap.dedent(
     from cpuddp import affinity
 
     env = cpuddp.init_distributed(backend="gloo", timeout=60)
-    plan = env.pin_plan
+    plan = cpuddp.distributed.get_session().pin_plan
     x = torch.randn(128, 128)
     (x @ x).sum().item()  # start torch's thread pool under the plan
     masks = []

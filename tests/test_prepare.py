@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from cpuddp import _ipex
+from cpuddp import _ipex, prepare_optim, prepare_precision
 from cpuddp.errors import PrepareError
 from cpuddp.preparation import (
     bf16_allreduce_hook,
@@ -99,12 +99,184 @@ def test_decide_precision_rejects_unknown(bad):
     ],
 )
 def test_bf16_from_flags(flags, ok):
-    assert prepare_mod._bf16_from_flags(flags, "test")[0] is ok
+    assert prepare_precision.bf16_from_flags(flags, "test")[0] is ok
+
+
+@pytest.mark.parametrize(
+    "cpuinfo_flags, amx, avx512_bf16",
+    [
+        ({"avx2", "amx_tile", "amx_bf16"}, True, False),
+        ({"avx512f", "avx512_bf16"}, False, True),
+        ({"avx2", "fma"}, False, False),
+    ],
+)
+def test_cpuinfo_flags_are_named_by_topology_cpu_features(cpuinfo_flags, amx, avx512_bf16):
+    from cpuddp.topology import cpu_features
+
+    got = prepare_precision.features_to_bf16_flags(cpu_features(cpuinfo_flags))
+    assert got == {"amx": amx, "avx512_bf16": avx512_bf16}
+
+
+def test_cpu_bf16_support_falls_back_to_the_topology_flags(monkeypatch):
+    from cpuddp import topology
+
+    class _Topo:
+        flags = frozenset({"avx2", "avx512_bf16"})
+
+    monkeypatch.setattr(prepare_precision, "_torch_probes", lambda: {})
+    monkeypatch.setattr(topology, "read_topology", lambda: _Topo())
+    assert prepare_precision.cpu_bf16_support() == (True, "CPU has avx512_bf16 (/proc/cpuinfo)")
+    _Topo.flags = frozenset()  # no flag list at all: unknown, not "neither"
+    ok, why = prepare_precision.cpu_bf16_support()
+    assert not ok and why.startswith("could not tell")
 
 
 def test_cpu_bf16_support_reports_a_reason():
     ok, why = prepare_mod.cpu_bf16_support()
     assert isinstance(ok, bool) and why
+
+
+# --------------------------------------------------------------------------- steps, alone
+
+
+@pytest.mark.parametrize(
+    "ddp, world, wants_grad, expect",
+    [
+        (None, 1, True, False),
+        (None, 2, True, True),
+        (None, 2, False, False),  # evaluation-only model: not wrapped
+        (False, 2, True, False),
+        (True, 1, True, True),
+    ],
+)
+def test_decide_ddp(ddp, world, wants_grad, expect):
+    assert prepare_mod.decide_ddp(ddp, world_size=world, wants_grad=wants_grad) is expect
+
+
+def test_decide_ddp_true_without_grad_raises():
+    with pytest.raises(PrepareError, match="ddp=True, but no parameter requires grad"):
+        prepare_mod.decide_ddp(True, world_size=2, wants_grad=False)
+
+
+def _fusion(opt, cpu_kernel=True):
+    return prepare_optim.fusion_decision(opt, cpu_kernel=cpu_kernel)
+
+
+def test_fusion_decision_is_pure_and_says_why():
+    ps = list(_mlp().parameters())
+    opt = torch.optim.AdamW(ps)
+    assert _fusion(opt) == (True, "switched to the fused CPU kernel")
+    assert opt.param_groups[0]["fused"] is None  # deciding changed nothing
+    assert _fusion(opt, cpu_kernel=False) == (False, f"torch {torch.__version__} has no fused CPU Adam")
+
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    assert _fusion(MyAdam(ps)) == (False, "MyAdam has no fused CPU kernel we switch to")
+    assert _fusion(torch.optim.Adam(ps, fused=False))[1] == "fused=False set by the user; respected"
+    assert "foreach" in _fusion(torch.optim.Adam(ps, foreach=True))[1]
+    complex_param = torch.zeros(2, dtype=torch.complex64, requires_grad=True)
+    assert _fusion(torch.optim.Adam([complex_param])) == (
+        False, "a parameter is torch.complex64 on cpu; the fused kernel needs real floating CPU tensors")
+    stepped = torch.optim.Adam([torch.zeros(2, requires_grad=True)])
+    stepped.state[stepped.param_groups[0]["params"][0]] = {"step": torch.tensor(1.0)}
+    assert _fusion(stepped) == (False, "the optimizer has already stepped; left as it is")
+
+
+def test_already_prepared_step():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert prepare_mod._already_prepared(model, opt, {}) is None  # never prepared
+    out = prepare(model, opt, ipex=False)
+    options = prepared_info(out).options
+    assert prepare_mod._already_prepared(model, None, options) is out
+    assert prepare_mod._already_prepared(out, opt, options) is out
+    with pytest.raises(PrepareError, match="already prepared"):
+        prepare_mod._already_prepared(out, opt, {**options, "static_graph": True})
+    with pytest.raises(PrepareError, match="already prepared"):
+        prepare_mod._already_prepared(out, torch.optim.SGD(model.parameters(), lr=0.1), options)
+
+
+def test_check_bare_cpu_module_step():
+    prepare_mod._check_bare_cpu_module(_mlp())
+    with pytest.raises(PrepareError, match="already wrapped"):
+        prepare_mod._check_bare_cpu_module(torch.compile(_mlp(), backend="eager"))
+    meta = nn.Linear(2, 2, device="meta")
+    with pytest.raises(PrepareError, match="parameter 'weight' is on meta; cpuddp trains on the CPU"):
+        prepare_mod._check_bare_cpu_module(meta)
+
+
+def test_ddp_kwargs_step():
+    base = dict(static_graph=False, find_unused_parameters=False, process_group=None,
+                broadcast_buffers=None, bucket_cap_mb=None, ddp_kwargs={})
+    kw = prepare_mod._ddp_kwargs(base)
+    assert kw == dict(device_ids=None, gradient_as_bucket_view=True, static_graph=False,
+                      find_unused_parameters=False, process_group=None)  # no broadcast_buffers unless given
+    kw = prepare_mod._ddp_kwargs({**base, "broadcast_buffers": False, "bucket_cap_mb": 4,
+                                  "ddp_kwargs": {"gradient_as_bucket_view": False}})
+    assert kw["broadcast_buffers"] is False and kw["bucket_cap_mb"] == 4
+    assert kw["gradient_as_bucket_view"] is False  # the user's ddp_kwargs win
+
+
+def test_choose_path_step():
+    notes: list = []
+    assert prepare_mod._choose_path(False, notes) is None and notes == []
+    probe = prepare_mod._choose_path(None, notes)
+    assert (probe is not None) is IPEX.usable
+
+
+class _FakeIpex:
+    """Stands in for the IPEX module in the IPEX steps' unit tests (no IPEX is imported)."""
+
+    def __init__(self, onednn_bf16: bool = True, new_optimizer: bool = False) -> None:
+        self._C = type("C", (), {"onednn_has_bf16_support": staticmethod(lambda: onednn_bf16)})
+        self.new_optimizer = new_optimizer
+        self.calls: list = []
+
+    def optimize(self, model, **kw):
+        self.calls.append(kw)
+        if "optimizer" not in kw:
+            return model
+        opt = kw["optimizer"]
+        return model, (torch.optim.SGD(model.parameters(), lr=0.5) if self.new_optimizer else opt)
+
+
+@pytest.mark.parametrize(
+    "onednn, all_reduces, allreduce_ok, expect, note",
+    [
+        (True, False, True, torch.bfloat16, None),
+        (True, True, True, torch.bfloat16, None),
+        (False, False, True, None, "IPEX bf16 weights not used (IPEX's oneDNN has no bf16 kernels"),
+        (True, True, False, None, "IPEX bf16 weights not used (gloo says no)"),
+    ],
+)
+def test_ipex_weight_dtype_step(monkeypatch, onednn, all_reduces, allreduce_ok, expect, note):
+    monkeypatch.setattr(prepare_mod, "bf16_allreduce_supported", lambda group: (allreduce_ok, "gloo says no"))
+    notes: list = []
+    assert prepare_mod._ipex_weight_dtype(_FakeIpex(onednn), torch.bfloat16, all_reduces, None, notes) is expect
+    assert (notes[0].startswith(note) if note else notes == [])
+    assert prepare_mod._ipex_weight_dtype(_FakeIpex(onednn), None, all_reduces, None, []) is None  # fp32
+
+
+def test_ipex_optimize_keeps_the_users_optimizer_object():
+    model = _mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fake, notes = _FakeIpex(new_optimizer=True), []
+    assert prepare_optim.ipex_optimize(fake, model, opt, None, notes) is model
+    assert fake.calls == [{"dtype": torch.float32, "inplace": True, "optimizer": opt}]
+    assert opt.param_groups[0]["lr"] == 0.5  # the user's object adopted IPEX's optimizer
+    assert notes == ["IPEX returned a new optimizer; the user's object now shares its state and step"]
+    notes = []
+    assert prepare_optim.ipex_optimize(_FakeIpex(), model, None, torch.bfloat16, notes) is model
+    assert not model.training and "model.eval() was called" in notes[0]  # inference optimization
+
+
+def test_choose_precision_step_warns_at_the_callers_line(monkeypatch):
+    _with_cpu_bf16(monkeypatch, False)
+    with pytest.warns(UserWarning, match="staying in fp32") as rec:
+        assert prepare(_mlp(), mixed_precision="bf16", ipex=False) is not None
+    assert rec[0].filename == __file__  # stacklevel points at the user's prepare() call
+    assert prepare_mod._choose_precision(None, False) == (None, "fp32 requested")
 
 
 # --------------------------------------------------------------------------- world size 1
@@ -216,7 +388,7 @@ def test_bf16_forward_runs_under_autocast_with_fp32_outputs(monkeypatch):
 
 
 def test_bf16_outputs_in_containers_are_cast():
-    out = prepare_mod._to_fp32({"loss": torch.ones((), dtype=torch.bfloat16), "n": 3, "t": (torch.ones(1, dtype=torch.float16),)})
+    out = prepare_precision.to_fp32({"loss": torch.ones((), dtype=torch.bfloat16), "n": 3, "t": (torch.ones(1, dtype=torch.float16),)})
     assert out["loss"].dtype == torch.float32 and out["t"][0].dtype == torch.float32 and out["n"] == 3
 
 
@@ -254,7 +426,7 @@ def test_bf16_strict_without_cpu_support_raises(monkeypatch):
 
 
 def test_cpuddp_autocast_follows_the_prepared_model(monkeypatch):
-    from cpuddp.loop import autocast
+    from cpuddp.loop import autocast_for as autocast
 
     _with_cpu_bf16(monkeypatch, True)
     bf = prepare(_mlp(), mixed_precision="bf16", ipex=False)

@@ -211,7 +211,7 @@ def test_four_ranks_reduce_scatter_all_gather_exact_and_identical():
 
 def _launch(n: int, mode: str, tmp_path: Path, *, timeout: float = 90, env: dict | None = None) -> list[dict]:
     """Start tests/scripts/shm_ranks.py as ``n`` plain torch.distributed ranks; their JSON reports."""
-    from cpuddp.bench import free_port
+    from failure_scripts.procs import free_port  # plain torch env:// ranks need a MASTER_PORT
     from cpuddp.testing import clean_environ
 
     port = free_port()

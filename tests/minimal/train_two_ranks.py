@@ -44,7 +44,7 @@ def main() -> int:
     dist.all_gather(gathered, flat)
     assert torch.equal(gathered[0], gathered[1]), "the ranks' weights differ after DDP steps"
     if cpuddp.is_main_process():
-        print(f"ok: 2 ranks ({env.backend}), {len(losses)} DDP steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+        print(f"ok: 2 ranks ({cpuddp.get_session().backend}), {len(losses)} DDP steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
               f"weights identical on both ranks")
     cpuddp.shutdown()
     return 0

@@ -44,7 +44,7 @@ for step in range(args.steps):
 checksum = torch.tensor([float(sum(p.detach().double().sum() for p in model.parameters()))], dtype=torch.float64)
 gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(env.world_size)]
 dist.all_gather(gathered, checksum)
-plan = env.pin_plan
+plan = cpuddp.get_session().pin_plan
 row = {
     "rank": env.rank,
     "world_size": env.world_size,
@@ -53,7 +53,7 @@ row = {
     "node_rank": env.node_rank,
     "num_nodes": env.num_nodes,
     "launcher": env.launcher,
-    "backend": env.backend,
+    "backend": cpuddp.get_session().backend,
     "master_addr": env.master_addr,
     "master_port": env.master_port,
     "hostname": socket.gethostname(),

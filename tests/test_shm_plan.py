@@ -1,0 +1,66 @@
+"""cpuddp._shm_segment.plan_node: which ranks share a node, as a pure function of every rank's
+``whoami`` line (host identity, pid, PID namespace, allowed CPUs).  The real groups are in
+tests/test_shm.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpuddp._shm_segment import plan_node
+
+
+def who(*rows: str) -> list[list[str]]:
+    return [r.split("\t") for r in rows]
+
+
+def test_two_ranks_on_one_host_share_memory():
+    w = who("A\t100\tns1\t0", "A\t101\tns1\t1")
+    p = plan_node(w, 1)
+    assert (p.local, p.local_rank, p.local_size, p.node, p.nodes) == ((0, 1), 1, 2, 0, 1)
+    assert p.peer_pids == {0: 100} and p.spin and p.gloo_only is None
+
+
+def test_two_by_two_nodes():
+    w = who("A\t1\tn\t0", "B\t2\tm\t0", "A\t3\tn\t1", "B\t4\tm\t1")
+    p = plan_node(w, 3)
+    assert (p.local, p.local_rank, p.node, p.nodes) == ((1, 3), 1, 1, 2)
+    assert p.peer_pids == {1: 2} and p.gloo_only is None
+
+
+@pytest.mark.parametrize(
+    "rows, reason",
+    [
+        (("A\t1\tn\t0",), "gloo for every collective: one rank per node"),
+        (("A\t1\tn\t0", "B\t2\tn\t0"), "gloo for every collective: one rank per node"),
+        (("A\t1\tn\t0", "A\t2\tn\t1", "B\t3\tn\t0"),
+         "gloo for every collective: nodes run different numbers of ranks (2, 1)"),
+    ],
+)
+def test_gloo_only(rows, reason):
+    assert plan_node(who(*rows), 0).gloo_only == reason
+
+
+def test_no_spin_when_ranks_outnumber_their_cpus_and_no_pids_across_pid_namespaces():
+    p = plan_node(who("A\t1\tns1\t0", "A\t2\tns2\t0"), 0)
+    assert not p.spin  # two ranks, one allowed CPU between them
+    assert p.peer_pids == {}  # another PID namespace: its pid means nothing here
+    assert not plan_node(who("A\t1\tn\t", "A\t2\tn\t"), 0).spin  # CPUs unknown
+
+
+def test_pid_alive_counts_a_zombie_as_dead():
+    """The one pid check the shm wait loop and the watchdog share (cpuddp.hosts.pid_alive)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from cpuddp.hosts import pid_alive
+
+    assert pid_alive(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 30
+    while pid_alive(child.pid) and time.monotonic() < deadline:  # exited, not reaped: a zombie
+        time.sleep(0.05)
+    assert not pid_alive(child.pid)
+    assert child.poll() == 0  # reaped now
+    assert not pid_alive(child.pid)
