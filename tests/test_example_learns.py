@@ -9,34 +9,19 @@ each rank still learns from its own half of the data.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
+from example_util import EXAMPLES, example_env, paraphrase_data
 
 #: The shortened run: the same model, data and learning rate as README's command, fewer steps.
 SHORT = ["--steps", "160", "--eval-samples", "1000", "--log-every", "20"]
 
 
-def _clean_env() -> dict:
-    from cpuddp.testing import clean_environ
-
-    env = clean_environ(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    return env
-
-
 def test_generated_pairs_fit_the_default_sequence_length():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import paraphrase_data as pd
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    pd = paraphrase_data()
     pairs = pd.generate(5000, seed=3)
     longest = max(len(a.split()) + len(b.split()) + 3 for a, b, _ in pairs)
     assert longest <= 40, f"a pair of {longest} tokens would be truncated at --seq-len 40"
@@ -49,7 +34,7 @@ def test_example_learns_on_two_ranks(tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            str(EXAMPLES / "finetune.py"), *SHORT, "--result-json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=_clean_env(), cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=example_env(), cwd=tmp_path)
     log = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
     assert proc.returncode == 0, log
     r = json.loads(out.read_text())

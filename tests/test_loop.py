@@ -8,7 +8,6 @@ import subprocess
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -28,8 +27,7 @@ from cpuddp.loop import (
 )
 from cpuddp.preparation import prepare, prepared_info, unwrap
 
-ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = ROOT / "examples"
+from example_util import EXAMPLES, example_env, paraphrase_data
 
 
 def _ids(loader) -> list[int]:
@@ -349,20 +347,8 @@ def test_worker_threads_must_be_a_positive_int():
 # --------------------------------------------------------------------------- the example
 
 
-def _example_env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        env.pop(k, None)
-    return env
-
-
 def test_paraphrase_data_is_deterministic_and_balanced():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        import paraphrase_data as pd
-    finally:
-        sys.path.remove(str(EXAMPLES))
+    pd = paraphrase_data()
     a, b = pd.generate(200, seed=5), pd.generate(200, seed=5)
     assert a == b and sum(label for _, _, label in a) == 100
     ds = pd.PairDataset(a[:4], max_len=32)
@@ -378,7 +364,7 @@ def test_example_runs_single_process(tmp_path):
     cmd = [sys.executable, str(EXAMPLES / "finetune.py"), "--steps", "3", "--batch-size", "4",
            "--num-samples", "64", "--eval-samples", "16", "--model", "torch", "--bf16",
            "--result-json", str(out), "--save", str(tmp_path / "m.pt")]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_example_env(), cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=example_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "samples/s" in proc.stdout and "loss" in proc.stdout
     result = json.loads(out.read_text())
