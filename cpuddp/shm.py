@@ -6,52 +6,58 @@ Use::
     cpuddp.init_distributed(backend="shm")          # or backend="auto" (see docs/backends.md)
 
     import cpuddp.shm                                # registers "shm" with torch.distributed
-    torch.distributed.init_process_group("shm")      # plain torch, Trainer, Lightning, accelerate
+    torch.distributed.init_process_group("shm")      # plain torch and Lightning (docs/frameworks.md)
 
 Importing this module registers the backend with ``torch.distributed.Backend`` (idempotent).
 ``import cpuddp`` alone does not (it never imports torch); :func:`cpuddp.init_distributed`
-imports this module when the chosen backend is ``shm``.
+imports this module when the chosen backend is ``shm``.  Hugging Face Trainer and accelerate
+refuse backend names they do not know: there, call :func:`cpuddp.init_distributed` first
+(docs/frameworks.md).
 
 What goes through shared memory: ``allreduce`` of contiguous dense CPU tensors of float32,
 float64, float16, bfloat16, int8, uint8, int16, int32 and int64 with SUM, AVG (floating
 types; each rank divides by the world size as it copies in), PRODUCT, MIN and MAX.  The
 result is bit-identical on every rank: each element is reduced in rank order by one code path.
-Everything else -- other collectives, other ops and dtypes, sparse or non-contiguous tensors,
-``allreduce_coalesced`` and any operation C++ dispatches directly -- runs on an inner
-``ProcessGroupGloo`` over the same store, registered as the group's CPU backend.
+Everything else -- other collectives, other ops and dtypes, sparse or non-contiguous tensors --
+runs on an inner ``ProcessGroupGloo`` over the same store, called from Python (never through
+torch's C++ fallback, which enters gloo holding the GIL and can deadlock with gloo's worker
+freeing a Python-owned tensor: docs/backends.md).
 
-Data path (one segment file per node and group, two buffers of one slot per rank, one
-arrival counter per rank on its own cache line): per chunk of at most one slot, each rank
-copies its chunk in, raises its counter, and waits until every local peer's counter reached
-it; then
+Asynchronous: every collective returns its ``Work`` at once; a communication thread per group
+does the work in issue order, so DDP's reducer goes on with backward while buckets are summed.
+Before data moves the node's ranks agree on the call (:mod:`cpuddp.shm_agree`: call number,
+collective, op, dtype, element count, root, shared memory or gloo): a mismatch is an error on
+every rank naming both calls, never a wrong result.  Errors surface from ``wait()``.
+
+Data path (one anonymous segment per node and group, two buffers of one slot per rank, one
+control line per rank): per chunk of at most one slot, each rank copies its chunk in, raises
+its counter, and waits until every local peer's counter reached it; then
 
 * 2 ranks on the node: each rank sums ``slot0 + slot1`` into its own tensor;
 * 3 or more: rank ``i`` reduces part ``i`` of the chunk over all slots into its slot of the
-  other buffer, a second counter round, then every rank copies all parts out
-  (reduce-scatter / all-gather, so no rank reads every slot twice);
-* several nodes (same number of ranks on each): the reduce-scatter above, one gloo allreduce
-  of each rank's parts among the ranks with the same local rank on every node, then the
-  all-gather through shared memory.
+  other buffer, a second counter round, then every rank copies all parts out;
+* several nodes (same number of ranks on each): the reduce-scatter above, one allreduce of
+  each rank's parts among the ranks with the same local rank on every node (gloo, or oneCCL
+  when ``CPUDDP_SHM_INTER=ccl``), then the all-gather through shared memory.
 
 Waiting: ``os.sched_yield()`` for the first 2 ms (not at all when the node's ranks outnumber
-the CPUs they may use), then 0.2 ms sleeps (no core burnt at 100% for minutes); every 0.1 s
-the waiting rank checks that its local peers' processes are alive.  A peer that died, or that
-gave up (it sets the segment's abort word), ends the wait with an error at once; otherwise the
-group timeout does.  After an error the group is
-broken: every later shared-memory allreduce raises at once.
+the CPUs they may use), then 0.2 ms sleeps; every 0.1 s the waiting rank checks that its local
+peers live (the kernel-held lock of :meth:`cpuddp._shm_segment.Segment.alive`, which works
+across PID namespaces, and the pid where it is visible) and have not left the group.  A peer
+that died, left (``shutdown``/``destroy_process_group``) or gave up (the abort word) ends the
+wait with an error naming it at once; otherwise the group timeout does.  After an error the
+group is broken: every later collective raises at once.
 
-Memory: the segment (``cpuddp.shm_check.reservation_bytes``: 4 MiB + 8 KiB for 2 ranks) is
-reserved with ``posix_fallocate`` when the group forms, so a full ``/dev/shm`` is a clear
-error then, never a SIGBUS later.  The file is unlinked as soon as every local rank has
-mapped it; a file left by a creator that died before that is removed by the next group
-formed on the host.
+Security (docs/security.md): the segment is a ``memfd`` handed over a Unix socket whose peer
+credentials are checked; nothing is mapped because a store value names it.
 
-Environment variables read (see :mod:`cpuddp.shm_check`): ``CPUDDP_SHM_DIR``,
-``CPUDDP_SHM_SLOT``.
+Environment variables read: ``CPUDDP_SHM_SLOT`` (:mod:`cpuddp.shm_check`), ``CPUDDP_SHM_INTER``
+(``gloo`` or ``ccl``: the node-to-node leg).
 
-The code: this module is the process group (torch's interface, the data path, the waiting);
-:mod:`cpuddp._shm_segment` finds the node's ranks and creates, checks and maps the segment file;
-:mod:`cpuddp.shm_check` says whether it can run here and how much it reserves.
+The code: this module is the process group (torch's interface, the issue path, delegation);
+:mod:`cpuddp.shm_path` the data path and the waiting; :mod:`cpuddp.shm_agree` the per-call
+agreement; :mod:`cpuddp._shm_segment` the node's ranks and the segment;
+:mod:`cpuddp.shm_check` whether it can run here and how much it reserves.
 """
 
 from __future__ import annotations
@@ -59,55 +65,170 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import queue
 import threading
-import time
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from . import shm_check
-from ._shm_segment import W_ABORT as _W_ABORT
-from ._shm_segment import Segment, map_segment, plan_node, whoami
-from .hosts import pid_alive
+from ._shm_segment import STATE_LEFT, C_STATE, map_segment, parse_who, plan_node, whoami
+from .errors import BackendError
+from .shm_agree import Call, encode
+from .shm_path import REDUCE, SUPPORTED_DTYPES, DataPath
 
-__all__ = ["NAME", "ShmProcessGroup", "register", "eligibility", "SUPPORTED_DTYPES"]
+__all__ = ["NAME", "ShmProcessGroup", "register", "eligibility", "SUPPORTED_DTYPES", "INTER_VAR"]
 
 log = logging.getLogger("cpuddp.shm")
 
 NAME = shm_check.NAME
 eligibility = shm_check.eligibility
-
+INTER_VAR = "CPUDDP_SHM_INTER"
 _RedOp = dist.ReduceOp.RedOpType
-#: reduce op -> the torch function applied in rank order.  Keyed by ``opts.reduceOp.op``
-#: (a RedOpType): a ``ReduceOp`` instance as key would never match and silently send all to gloo.
-_REDUCE: dict[Any, Callable[..., torch.Tensor]] = {
-    _RedOp.SUM: torch.add,
-    _RedOp.AVG: torch.add,
-    _RedOp.PRODUCT: torch.mul,
-    _RedOp.MIN: torch.minimum,
-    _RedOp.MAX: torch.maximum,
-}
-SUPPORTED_DTYPES = frozenset({
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
-})
-
-#: Spin with sched_yield this long, then sleep between checks.  Not at all when the node's
-#: ranks outnumber their CPUs: a spinning rank would hold the core the peer it waits for needs
-#: (measured: 4 ranks on 2 vCPUs, 4 MiB took 0.5 s with a 50 ms spin).
-_YIELD_FOR = 0.002
-_SLEEP = 2e-4
-#: How often a waiting rank checks that its local peers are alive.
-_CHECK_EVERY = 0.1
-#: Up to this many local ranks every rank reads every slot; above, reduce-scatter/all-gather.
-_ALL_READ_MAX = 2
+_JOIN_TIMEOUT = 10.0
+#: An allreduce up to this size runs in the caller's thread when the stream is idle: the thread
+#: hop costs more than overlap could win (DDP's buckets are 1 MiB and up).
+_INLINE_BYTES = 64 << 10
 
 
-def _parts(n: int, parts: int, i: int) -> Tuple[int, int]:
-    return i * n // parts, (i + 1) * n // parts
+def _root(opts: Any, args: Sequence[Any]) -> Optional[int]:
+    root = getattr(opts, "rootRank", None)
+    if root is None and len(args) > 1 and isinstance(args[1], int):
+        root = args[1]
+    return root
+
+
+def _flat(obj: Any) -> List[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _flat(o)]
+    return []
+
+
+class _Work(dist.Work):
+    """A collective queued on the communication thread: ``wait()`` raises its error (the Work torch
+    makes from a future does not), ``get_future()`` is what DDP's reducer chains on."""
+
+    def __init__(self, fut: "torch.futures.Future[Any]") -> None:
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        if timeout is not None and timeout.total_seconds() > 0 and not self._fut.done():
+            done = threading.Event()
+            self._fut.add_done_callback(lambda _f: done.set())
+            if not done.wait(timeout.total_seconds()):
+                raise dist.DistBackendError(f"shm: the collective did not finish within {timeout}")
+        self._fut.wait()  # raises the collective's error
+        return True
+
+    def get_future(self) -> "torch.futures.Future[Any]":
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.value()
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
+    def result(self) -> Any:
+        return self._fut.value()
+
+
+class _Stream:
+    """One communication thread per group: agreement, then the work, in issue order.
+
+    When nothing is queued, a call that gains nothing from the thread (a small allreduce, the
+    agreement of a call handed to gloo) runs in the caller's thread instead: no thread hop."""
+
+    def __init__(self, path: DataPath, rank: int) -> None:
+        self._path = path
+        self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._pending = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name=f"cpuddp-shm-comm-{rank}", daemon=True)
+        self._thread.start()
+
+    def shm(self, call: Call, fn: Callable[[], None], result: Any, inline: bool) -> "_Work":
+        """A shared-memory allreduce: in this thread when ``inline`` and idle, else queued."""
+        with self._lock:
+            seq = self._next()
+            if inline and self._pending == 0:
+                self._inline(seq, call, fn)
+                fut: torch.futures.Future = torch.futures.Future()
+                fut.set_result(result)
+                return _Work(fut)
+            return self._queue(seq, call, fn, result)
+
+    def gloo(self, call: Call, submit: Callable[[], Any], result: Any) -> Any:
+        """A collective handed to gloo now (issue order = gloo's order), agreed before it counts."""
+        with self._lock:
+            work = submit()
+            seq = self._next()
+            if self._pending == 0 and not isinstance(work, list):
+                self._inline(seq, call, lambda: None)
+                return work
+            return self._queue(seq, call, lambda: _wait_all(work), result)
+
+    def _next(self) -> int:
+        if self._closed:
+            raise dist.DistBackendError("the shm process group was shut down")
+        self._seq += 1
+        return self._seq
+
+    def _inline(self, seq: int, call: Call, fn: Callable[[], None]) -> None:
+        try:
+            self._path.agree(seq, call)
+            fn()
+        except BaseException as exc:
+            self._path.fail(str(exc))
+            raise
+
+    def _queue(self, seq: int, call: Call, fn: Callable[[], None], result: Any) -> "_Work":
+        fut: torch.futures.Future = torch.futures.Future()
+        self._pending += 1
+        self._q.put((seq, call, fn, result, fut))
+        return _Work(fut)
+
+    def _loop(self) -> None:
+        path = self._path
+        path.thread_setup()
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            seq, call, fn, result, fut = item
+            error: Optional[BaseException] = None
+            try:
+                path.agree(seq, call)
+                fn()
+            except BaseException as exc:  # every error reaches the caller's wait()
+                path.fail(str(exc))
+                error = exc
+            with self._lock:
+                self._pending -= 1
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error if isinstance(error, Exception) else dist.DistBackendError(str(error)))
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._q.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join(_JOIN_TIMEOUT)
 
 
 class ShmProcessGroup(dist.ProcessGroup):
@@ -115,21 +236,40 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
         super().__init__(rank, size)
-        self._timeout = timeout.total_seconds()
-        self._lock = threading.Lock()
-        self._epoch = 0
-        #: tensors all-reduced through shared memory so far (tests and benchmarks read it)
-        self.shm_calls = 0
-        self._broken: Optional[str] = None
-        self._seg: Optional[Segment] = None
-        self._cross: Optional[Any] = None
-        self._spin_for = _YIELD_FOR
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        self._path: Optional[DataPath] = None
+        self._stream: Optional[_Stream] = None
         self.reason = self._setup(store, rank, size, timeout)
+        if self._path is not None:
+            self._stream = _Stream(self._path, rank)
         if rank == 0:
             log.info("cpuddp.shm: group of %d: %s", size, self.reason)
+
+    @property
+    def shm_calls(self) -> int:
+        """Tensors all-reduced through shared memory so far (tests and benchmarks read it)."""
+        return self._path.calls if self._path is not None else 0
+
+    # ------------------------------------------------------------------ set-up
+
+    def _setup(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> str:
+        """Find the node's ranks through ``store``, map the node's segment; the mode's reason."""
+        store.set(f"shm/who/{rank}", whoami())
+        plan = plan_node([parse_who(store.get(f"shm/who/{r}"), f"shm/who/{r}") for r in range(size)], rank)
+        if plan.gloo_only is not None:
+            return plan.gloo_only
+        seg = map_segment(store, rank, plan, timeout.total_seconds())
+        cross = None
+        if plan.nodes > 1:
+            cross = _cross_group(dist.PrefixStore(f"shm/cross/{plan.local_rank}/", store), plan.node, plan.nodes,
+                                 timeout)
+        self._path = DataPath(seg, plan, rank, size, timeout.total_seconds(), cross)
+        if cross is not None:
+            return (f"shared memory within each of {plan.nodes} nodes ({plan.local_size} ranks each), "
+                    f"{_inter()} between them")
+        return f"shared memory among {plan.local_size} ranks"
 
     # ------------------------------------------------------------------ torch's interface
 
@@ -137,7 +277,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         return NAME
 
     def allreduce(self, tensors: Any, opts: Any = None, *, op: Any = None) -> Any:
-        """Shared-memory allreduce when every tensor qualifies; gloo's otherwise."""
+        """Shared-memory allreduce when every tensor qualifies; gloo's otherwise (both agreed first)."""
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         if opts is None or not isinstance(opts, dist.AllreduceOptions):
@@ -147,198 +287,174 @@ class ShmProcessGroup(dist.ProcessGroup):
             if op is not None:
                 opts.reduceOp = op if isinstance(op, dist.ReduceOp) else dist.ReduceOp(op)
         code = opts.reduceOp.op
-        if not self._qualifies(tensors, code):
-            return self._gloo.allreduce(tensors, opts)
-        with self._lock:
-            for t in tensors:
-                self._run(t.view(-1), code)
-                self.shm_calls += 1
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(tensors)
-        return _create_work_from_future(fut)
+        path = self._path
+        if path is not None and path.qualifies(tensors, code):
+            call = encode("all_reduce", tensors, op=int(code), shm=True)
+            inline = call.numel * tensors[0].element_size() <= _INLINE_BYTES
+            return self._stream.shm(call, lambda: path.run(tensors, code), tensors, inline)  # type: ignore[union-attr]
+        return self._delegate("all_reduce", tensors, lambda: self._gloo.allreduce(tensors, opts), tensors,
+                              op=int(code))
 
-    # ------------------------------------------------------------------ set-up
+    def _delegate(self, kind: str, described: Sequence[Any], submit: Callable[[], Any], result: Any = None,
+                  *, op: Optional[int] = None, root: Optional[int] = None) -> Any:
+        """Hand a collective to the inner gloo group: from Python (its binding releases the GIL),
+        in issue order, agreed with the node's peers before its Work completes."""
+        if self._stream is None:
+            return submit()
+        return self._stream.gloo(encode(kind, list(described), op=op, root=root), submit, result)
 
-    def _setup(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> str:
-        """Find the node's ranks through ``store``, map the node's segment; the mode's reason."""
-        store.set(f"shm/who/{rank}", whoami())
-        plan = plan_node([store.get(f"shm/who/{r}").decode().split("\t") for r in range(size)], rank)
-        self._local_rank, self._local_size = plan.local_rank, plan.local_size
-        self._node, self._nodes = plan.node, plan.nodes
-        self._peer_pids = plan.peer_pids
-        self._spin_for = _YIELD_FOR if plan.spin else 0.0
-        if plan.gloo_only is not None:
-            return plan.gloo_only
-        self._seg = map_segment(store, rank, plan.local, plan.local_rank)
-        if self._nodes > 1:
-            cross = dist.PrefixStore(f"shm/cross/{self._local_rank}/", store)
-            self._cross = dist.ProcessGroupGloo(cross, self._node, self._nodes, timeout)
-            return (f"shared memory within each of {self._nodes} nodes ({self._local_size} ranks each), "
-                    "gloo between them")
-        return f"shared memory among {self._local_size} ranks"
+    # Every collective torch's C++ would otherwise run through its GIL-holding fallback:
+    def broadcast(self, tensors: Any, *args: Any, **kw: Any) -> Any:
+        ts = _flat(tensors)
+        return self._delegate("broadcast", ts, lambda: self._gloo.broadcast(tensors, *args, **kw), ts,
+                              root=_root(args[0] if args else kw.get("opts"), (tensors, *args)))
 
-    # ------------------------------------------------------------------ the data path
+    def allgather(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+        return self._delegate("all_gather", _flat(inputs), lambda: self._gloo.allgather(outputs, inputs, *args, **kw),
+                              outputs)
 
-    def _qualifies(self, tensors: Sequence[Any], code: Any) -> bool:
-        if self._seg is None or code not in _REDUCE:
-            return False
-        for t in tensors:
-            if (not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.layout != torch.strided
-                    or not t.is_contiguous() or t.dtype not in SUPPORTED_DTYPES
-                    or (code == _RedOp.AVG and not t.dtype.is_floating_point)):
-                return False
-        return True
+    def allgather_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+        return self._delegate("all_gather_coalesced", _flat(inputs),
+                              lambda: self._gloo.allgather_coalesced(outputs, inputs, *args, **kw), outputs)
 
-    def _run(self, flat: torch.Tensor, code: Any) -> None:
-        if self._broken is not None:
-            raise dist.DistBackendError(f"the shm process group is broken by an earlier error: {self._broken}")
-        if flat.numel() == 0:
-            return
-        self._check_abort()
+    def _allgather_base(self, output: Any, input: Any, *args: Any, **kw: Any) -> Any:  # noqa: A002
+        return self._delegate("all_gather_into_tensor", [input],
+                              lambda: self._gloo._allgather_base(output, input, *args, **kw), output)
+
+    all_gather_single = _allgather_base
+
+    def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+        return self._delegate("all_gather_into_tensor_coalesced", _flat(inputs), lambda: [
+            self._gloo._allgather_base(o, i, *args, **kw) for o, i in zip(outputs, inputs)], outputs)
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        rest = (opts, *args) if opts is not None else args
+        return self._delegate("reduce_scatter", _flat(outputs),
+                              lambda: self._gloo.reduce_scatter(outputs, inputs, *rest, **kw), outputs,
+                              op=_op_of(opts))
+
+    def _reduce_scatter_base(self, output: Any, input: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:  # noqa: A002
+        rest = (opts, *args) if opts is not None else args
+        return self._delegate("reduce_scatter_tensor", [output],
+                              lambda: self._gloo._reduce_scatter_base(output, input, *rest, **kw), output,
+                              op=_op_of(opts))
+
+    reduce_scatter_single = _reduce_scatter_base
+
+    def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        rest = (opts, *args) if opts is not None else args
+        return self._delegate("reduce_scatter_tensor_coalesced", _flat(outputs), lambda: [
+            self._gloo._reduce_scatter_base(o, i, *rest, **kw) for o, i in zip(outputs, inputs)], outputs,
+            op=_op_of(opts))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        rest = (opts, *args) if opts is not None else args
+        return self._delegate("all_reduce_coalesced", _flat(tensors),
+                              lambda: self._gloo.allreduce_coalesced(tensors, *rest, **kw), tensors, op=_op_of(opts))
+
+    def barrier(self, *args: Any, **kw: Any) -> Any:
+        return self._delegate("barrier", [], lambda: self._gloo.barrier(*args, **kw))
+
+    def gather(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        rest = (opts, *args) if opts is not None else args
+        return self._delegate("gather", _flat(inputs), lambda: self._gloo.gather(outputs, inputs, *rest, **kw),
+                              outputs, root=_root(opts, ()))
+
+    def scatter(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        rest = (opts, *args) if opts is not None else args
+        return self._delegate("scatter", _flat(outputs), lambda: self._gloo.scatter(outputs, inputs, *rest, **kw),
+                              outputs, root=_root(opts, ()))
+
+    def reduce(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        rest = (opts, *args) if opts is not None else args
+        return self._delegate("reduce", _flat(tensors), lambda: self._gloo.reduce(tensors, *rest, **kw), tensors,
+                              op=_op_of(opts), root=_root(opts, ()))
+
+    def alltoall(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+        return self._delegate("all_to_all", [], lambda: self._gloo.alltoall(outputs, inputs, *args, **kw), outputs)
+
+    def alltoall_base(self, output: Any, input: Any, *args: Any, **kw: Any) -> Any:  # noqa: A002
+        return self._delegate("all_to_all_single", [],
+                              lambda: self._gloo.alltoall_base(output, input, *args, **kw), output)
+
+    all_to_all_single = alltoall_base
+
+    # point-to-point: two ranks, not the node's agreement; straight to gloo (GIL released)
+    def send(self, *args: Any, **kw: Any) -> Any:
+        return self._gloo.send(*args, **kw)
+
+    def recv(self, *args: Any, **kw: Any) -> Any:
+        return self._gloo.recv(*args, **kw)
+
+    def recv_anysource(self, *args: Any, **kw: Any) -> Any:
+        return self._gloo.recv_anysource(*args, **kw)
+
+    # ------------------------------------------------------------------ teardown
+
+    def leave(self, why: str = "it left the group") -> None:
+        """Mark this rank as gone from the group (peers waiting for it stop at once), join the thread."""
+        stream, self._stream = self._stream, None
+        if self._path is not None:
+            self._path.seg.lines[self._path.local_rank][C_STATE] = STATE_LEFT
+            self._path.left = why
+        if stream is not None:
+            stream.close()
+
+    def shutdown(self) -> None:  # torch's destroy_process_group calls it
+        self.leave()
         try:
-            if self._cross is not None:
-                self._hierarchical(flat, code)
-            elif self._local_size <= _ALL_READ_MAX:
-                self._all_read(flat, code)
-            else:
-                self._scatter_gather(flat, code)
-        except BaseException as exc:
-            self._fail(str(exc))
-            raise
+            super().shutdown()
+        except Exception as exc:  # noqa: BLE001 - teardown of gloo must not raise over a finished job
+            log.debug("cpuddp.shm: gloo shutdown raised: %s", exc)
 
-    def _copy_in(self, dst: torch.Tensor, src: torch.Tensor, code: Any) -> None:
-        if code == _RedOp.AVG:
-            torch.div(src, self.size(), out=dst)
-        else:
-            dst.copy_(src)
-
-    def _chunks(self, flat: torch.Tensor) -> List[Tuple[int, int]]:
-        cap = self._seg.slot // flat.element_size()  # type: ignore[union-attr]
-        n = flat.numel()
-        return [(o, min(cap, n - o)) for o in range(0, n, cap)]
-
-    def _reduce_into(self, dst: torch.Tensor, parts: Sequence[torch.Tensor], code: Any) -> None:
-        """``dst = parts[0] op parts[1] op ...`` in rank order (bit-identical wherever it runs)."""
-        fn = _REDUCE[code]
-        fn(parts[0], parts[1], out=dst)
-        for p in parts[2:]:
-            fn(dst, p, out=dst)
-
-    def _all_read(self, flat: torch.Tensor, code: Any) -> None:
-        slots = self._seg.slots(flat.dtype)  # type: ignore[union-attr]
-        me = self._local_rank
-        for o, k in self._chunks(flat):
-            e = self._epoch + 1
-            buf = slots[e & 1]
-            self._copy_in(buf[me][:k], flat[o:o + k], code)
-            self._sync(e)
-            self._reduce_into(flat[o:o + k], [s[:k] for s in buf], code)
-            self._epoch = e
-
-    def _scatter_gather(self, flat: torch.Tensor, code: Any) -> None:
-        slots = self._seg.slots(flat.dtype)  # type: ignore[union-attr]
-        me, n = self._local_rank, self._local_size
-        for o, k in self._chunks(flat):
-            e = self._epoch + 1
-            src, out = slots[e & 1], slots[(e + 1) & 1]
-            self._copy_in(src[me][:k], flat[o:o + k], code)
-            self._sync(e)
-            lo, hi = _parts(k, n, me)
-            if hi > lo:
-                self._reduce_into(out[me][lo:hi], [s[lo:hi] for s in src], code)
-            self._sync(e + 1)
-            for r in range(n):
-                lo, hi = _parts(k, n, r)
-                flat[o + lo:o + hi].copy_(out[r][lo:hi])
-            self._epoch = e + 1
-
-    def _hierarchical(self, flat: torch.Tensor, code: Any) -> None:
-        """Reduce-scatter in shared memory, gloo allreduce of the parts across nodes, all-gather."""
-        slots = self._seg.slots(flat.dtype)  # type: ignore[union-attr]
-        me, n = self._local_rank, self._local_size
-        chunks = self._chunks(flat)
-        spans = [_parts(k, n, me) for _, k in chunks]
-        part = torch.empty(sum(hi - lo for lo, hi in spans), dtype=flat.dtype)
-        pos = 0
-        for (o, k), (lo, hi) in zip(chunks, spans):
-            e = self._epoch + 1
-            buf = slots[e & 1]
-            self._copy_in(buf[me][:k], flat[o:o + k], code)
-            self._sync(e)
-            if hi > lo:
-                self._reduce_into(part[pos:pos + hi - lo], [s[lo:hi] for s in buf], code)
-            pos += hi - lo
-            self._epoch = e
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM if code == _RedOp.AVG else dist.ReduceOp(code)
-        self._cross.allreduce([part], opts).wait()  # type: ignore[union-attr]
-        pos = 0
-        for (o, k), (lo, hi) in zip(chunks, spans):
-            e = self._epoch + 1
-            buf = slots[e & 1]
-            buf[me][lo:hi].copy_(part[pos:pos + hi - lo])
-            pos += hi - lo
-            self._sync(e)
-            for r in range(n):
-                a, b = _parts(k, n, r)
-                flat[o + a:o + b].copy_(buf[r][a:b])
-            self._epoch = e
-
-    # ------------------------------------------------------------------ waiting
-
-    def _sync(self, epoch: int) -> None:
-        """Announce arrival at ``epoch``; return once every local peer has arrived there."""
-        seg = self._seg
-        seg.mine.value = epoch  # type: ignore[union-attr]
-        for c in seg.others:  # type: ignore[union-attr]
-            if c.value < epoch:
-                self._wait(epoch)
-                return
-
-    def _wait(self, epoch: int) -> None:
-        seg = self._seg
-        assert seg is not None
-        others, words = seg.others, seg.words
-        start = time.monotonic()
-        spin_until, check_at = start + self._spin_for, start + _CHECK_EVERY
-        deadline = start + self._timeout
-        while True:
-            if all(c.value >= epoch for c in others):
-                return
-            if words[_W_ABORT]:
-                self._check_abort()
-            now = time.monotonic()
-            if now < spin_until:
-                os.sched_yield()
-                continue
-            time.sleep(_SLEEP)
-            if now >= check_at:
-                check_at = now + _CHECK_EVERY
-                dead = [r for r, pid in self._peer_pids.items() if not pid_alive(pid)]
-                if dead:
-                    raise dist.DistBackendError(
-                        f"shm allreduce: rank(s) {dead} (pid {[self._peer_pids[r] for r in dead]}) on this node died "
-                        f"while rank {self.rank()} waited for them")
-                if now > deadline:
-                    late = [i for i, c in enumerate(seg.counters) if c.value < epoch]
-                    raise dist.DistBackendError(
-                        f"shm allreduce: rank {self.rank()} timed out after {self._timeout:g} s waiting for local "
-                        f"rank(s) {late} (the group timeout; a peer is stuck or not calling the same collective)")
-
-    def _check_abort(self) -> None:
-        aborted = self._seg.words[_W_ABORT]  # type: ignore[union-attr]
-        if aborted:
-            raise dist.DistBackendError(
-                f"shm allreduce: local rank {aborted - 1} gave up (see its error); rank {self.rank()} stops too")
+    def abort(self) -> None:
+        self.leave("it aborted")
+        try:
+            super().abort()
+        except Exception as exc:  # noqa: BLE001
+            log.debug("cpuddp.shm: gloo abort raised: %s", exc)
 
     def _fail(self, why: str) -> None:
-        self._broken = why
-        seg = self._seg
-        if seg is not None and not seg.words[_W_ABORT]:
-            seg.words[_W_ABORT] = self._local_rank + 1
+        if self._path is not None:
+            self._path.fail(why)
 
 
-#: The live groups of this process, for :func:`abort_groups`.
+def _op_of(opts: Any) -> Optional[int]:
+    op = getattr(opts, "reduceOp", None)
+    return int(op.op) if op is not None else None
+
+
+def _wait_all(work: Any) -> None:
+    for w in work if isinstance(work, list) else [work]:
+        w.wait()
+
+
+def _inter() -> str:
+    value = (os.environ.get(INTER_VAR) or "gloo").strip().lower()
+    if value not in ("gloo", "ccl"):
+        raise BackendError(f"{INTER_VAR}={os.environ.get(INTER_VAR)!r} is not a node-to-node backend of the shm group",
+                           fix=f"set {INTER_VAR}=gloo or {INTER_VAR}=ccl, or unset it")
+    return value
+
+
+def _cross_group(store: Any, node: int, nodes: int, timeout: datetime.timedelta) -> Any:
+    """The group of the ranks with this local rank on every node: gloo, or oneCCL when asked."""
+    if _inter() == "ccl":
+        import oneccl_bindings_for_pytorch  # noqa: F401  (registers "ccl")
+
+        plugin = dist.Backend._plugins.get("CCL")
+        if plugin is None:
+            raise BackendError(f"{INTER_VAR}=ccl, but the oneCCL bindings registered no 'ccl' backend",
+                               fix=f"unset {INTER_VAR} (gloo between nodes), or install working oneCCL bindings")
+        return plugin.creator_fn(store, node, nodes, timeout)
+    return dist.ProcessGroupGloo(store, node, nodes, timeout)
+
+
+#: The live groups of this process, for :func:`abort_groups` and :func:`leave_groups`.
 _groups: "weakref.WeakSet[ShmProcessGroup]" = weakref.WeakSet()
 
 
@@ -354,6 +470,12 @@ def abort_groups(why: str) -> None:
     peers stop while this rank still reports its error, not when its process is gone."""
     for group in list(_groups):
         group._fail(why)
+
+
+def leave_groups() -> None:
+    """Mark every shm group of this process as left (``cpuddp.shutdown`` calls it first)."""
+    for group in list(_groups):
+        group.leave()
 
 
 def register() -> None:

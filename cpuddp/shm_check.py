@@ -10,13 +10,15 @@ asks.  It says no, with the reason, when
 * the CPU is not x86 (the data path relies on x86's total store order: a peer that sees a
   rank's arrival counter also sees the data stored before it; arm64 and POWER would need
   fences that Python cannot issue);
-* the shared-memory directory (``CPUDDP_SHM_DIR``, default ``/dev/shm``) is missing, or has
-  less free space than the segment needs (:func:`reservation_bytes`; Docker's default
-  ``/dev/shm`` is 64 MiB: ``docker run --shm-size=...``).
+* the memory the segment needs (:func:`reservation_bytes`) is more than the memory available
+  (``MemAvailable``, and the cgroup's ``memory.max`` headroom where one is set).
 
-Environment variables read: ``CPUDDP_SHM`` (``0`` opts out of auto), ``CPUDDP_SHM_DIR``,
-``CPUDDP_SHM_SLOT`` (bytes per rank and buffer, default 1M; K/M/G suffixes as in
-``cpuddp bench``).
+The segment is an anonymous ``memfd`` handed from local rank 0 to its peers over a Unix socket
+(no file in ``/dev/shm``, so Docker's 64 MiB ``--shm-size`` does not limit it).
+
+Environment variables read: ``CPUDDP_SHM`` (``0`` opts out of auto), ``CPUDDP_SHM_SLOT`` (bytes
+per rank and buffer, default 1M; K/M/G suffixes as in ``cpuddp bench``).  ``CPUDDP_SHM_DIR`` is
+no longer read (round 3: nothing is created in a directory).
 """
 
 from __future__ import annotations
@@ -27,34 +29,36 @@ from typing import Callable, Mapping, Optional, Tuple
 
 __all__ = [
     "NAME",
-    "DIR_VAR",
     "SLOT_VAR",
     "OPT_OUT_VAR",
-    "DEFAULT_DIR",
     "DEFAULT_SLOT",
     "X86_MACHINES",
     "eligibility",
     "reservation_bytes",
     "slot_bytes",
-    "shm_dir",
     "layout",
+    "ring_offset",
+    "RING",
+    "DESC_BYTES",
     "probe",
 ]
 
 #: The backend's name for ``init_process_group`` and ``init_distributed(backend=...)``.
 NAME = "shm"
-DIR_VAR = "CPUDDP_SHM_DIR"
 SLOT_VAR = "CPUDDP_SHM_SLOT"
 OPT_OUT_VAR = "CPUDDP_SHM"
-DEFAULT_DIR = "/dev/shm"
 #: 1 MiB per rank and buffer: measured 25-35% faster than 4 or 64 MiB (the slots stay in L3).
 DEFAULT_SLOT = 1 << 20
 X86_MACHINES = frozenset({"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"})
 
 PAGE = 4096
-#: One arrival counter per rank, each on its own 128-byte line (adjacent-line prefetch pairs 64 B lines).
+#: One control line per rank (arrival counter, posted and checked call numbers, state), each on
+#: its own 128-byte line (adjacent-line prefetch pairs 64 B lines).
 COUNTER_STRIDE = 128
 HEADER_BYTES = PAGE
+#: Per-call descriptors: a ring of RING entries of DESC_BYTES per rank (cpuddp.shm_agree).
+RING = 16
+DESC_BYTES = 64
 
 
 def slot_bytes(environ: Mapping[str, str]) -> int:
@@ -76,19 +80,20 @@ def slot_bytes(environ: Mapping[str, str]) -> int:
     return value
 
 
-def shm_dir(environ: Mapping[str, str]) -> str:
-    """Where the segment file is made: ``CPUDDP_SHM_DIR`` or ``/dev/shm``."""
-    return environ.get(DIR_VAR) or DEFAULT_DIR
-
-
 def layout(local_world_size: int, slot: int) -> Tuple[int, int, int]:
     """``(counters_offset, slots_offset, total_bytes)`` of one node's segment (pure).
 
-    A header page, one counter line per rank, then two buffers (parities) of one slot per rank.
+    A header page, one control line per rank, the descriptor rings, then two buffers
+    (parities) of one slot per rank.
     """
     counters = HEADER_BYTES
-    slots = counters + _round_up(COUNTER_STRIDE * local_world_size, PAGE)
+    slots = ring_offset(local_world_size) + _round_up(RING * DESC_BYTES * local_world_size, PAGE)
     return counters, slots, slots + 2 * local_world_size * slot
+
+
+def ring_offset(local_world_size: int) -> int:
+    """Offset of the descriptor rings (rank-major: rank r's entry i at ``+ (r * RING + i) * DESC_BYTES``)."""
+    return HEADER_BYTES + _round_up(COUNTER_STRIDE * local_world_size, PAGE)
 
 
 def reservation_bytes(local_world_size: int, environ: Mapping[str, str]) -> int:
@@ -100,12 +105,40 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def _free_bytes(path: str) -> Optional[int]:
+def _meminfo_available(text: str) -> Optional[int]:
+    for line in text.splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def _cgroup_headroom(root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """``memory.max - memory.current`` of this process's cgroup (v2), or None where unlimited/unknown."""
     try:
-        st = os.statvfs(path)
-    except OSError:
+        with open("/proc/self/cgroup") as f:
+            rel = next((ln.split(":", 2)[2].strip() for ln in f if ln.startswith("0::")), None)
+        if rel is None:
+            return None
+        base = os.path.join(root, rel.lstrip("/"))
+        with open(os.path.join(base, "memory.max")) as f:
+            limit = f.read().strip()
+        if limit == "max":
+            return None
+        with open(os.path.join(base, "memory.current")) as f:
+            return int(limit) - int(f.read().strip())
+    except (OSError, ValueError, StopIteration):
         return None
-    return st.f_bavail * st.f_frsize
+
+
+def available_memory() -> Optional[int]:
+    """Bytes a new segment can take: ``MemAvailable``, capped by the cgroup's headroom; None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = _meminfo_available(f.read())
+    except OSError:
+        avail = None
+    room = [v for v in (avail, _cgroup_headroom()) if v is not None]
+    return min(room) if room else None
 
 
 def eligibility(
@@ -113,7 +146,7 @@ def eligibility(
     environ: Mapping[str, str],
     *,
     machine: Optional[str] = None,
-    free_bytes: Optional[Callable[[str], Optional[int]]] = None,
+    free_bytes: Optional[Callable[[], Optional[int]]] = None,
     node_cpus: Optional[int] = None,
 ) -> Tuple[bool, str]:
     """Should ``backend="auto"`` use the shared-memory backend on this node?  ``(ok, reason)``.
@@ -121,8 +154,8 @@ def eligibility(
     ``node_cpus``: the CPUs the node's ranks may use together (the union of their allowed
     sets, as gathered at init); more ranks than that is a no -- every waiting rank would sit
     on a CPU a peer needs (measured: 0.06x gloo at 4 MiB with 4 ranks on 2 CPUs).
-    ``machine`` (``platform.machine()``) and ``free_bytes(dir)`` (free bytes, or None when the
-    directory is missing) replace the real probes in tests.
+    ``machine`` (``platform.machine()``) and ``free_bytes()`` (available memory, or None when
+    unknown: then the reservation at init decides) replace the real probes in tests.
     """
     from ._units import format_size
 
@@ -142,15 +175,12 @@ def eligibility(
         need = reservation_bytes(local_world_size, environ)
     except ValueError as exc:
         return False, str(exc)
-    where = shm_dir(environ)
-    free = (free_bytes or _free_bytes)(where)
-    if free is None:
-        return False, f"the shared-memory directory {where} does not exist (set {DIR_VAR} to a tmpfs)"
-    if free < need:
-        return False, (f"{where} has {format_size(free)} free, and {local_world_size} local ranks need "
-                       f"{format_size(need)} (in Docker: --shm-size)")
-    return True, (f"{local_world_size} local ranks on {arch}, {where} has {format_size(free)} free "
-                  f"(needs {format_size(need)})")
+    free = (free_bytes or available_memory)()
+    if free is not None and free < need:
+        return False, (f"{format_size(free)} of memory is available, and {local_world_size} local ranks need "
+                       f"{format_size(need)} for the segment (lower {SLOT_VAR}, or give the job more memory)")
+    room = "unknown memory" if free is None else f"{format_size(free)} of memory available"
+    return True, f"{local_world_size} local ranks on {arch}, {room} (needs {format_size(need)})"
 
 
 def probe(lookups: object) -> Tuple[bool, str]:
@@ -162,5 +192,5 @@ def probe(lookups: object) -> Tuple[bool, str]:
     environ = getattr(lookups, "environ", None) or os.environ
     ok, reason = eligibility(2, {k: v for k, v in environ.items() if k != OPT_OUT_VAR})
     if ok:
-        return True, "x86 CPU and room in " + shm_dir(environ) + " (pure Python over torch ops; cpuddp.shm)"
+        return True, "x86 CPU and memory for the segment (pure Python over torch ops; cpuddp.shm)"
     return False, reason

@@ -12,7 +12,6 @@ writes ``OUTDIR/rank<r>.json``.  Modes:
 """
 
 import datetime
-import glob
 import json
 import os
 import signal
@@ -47,6 +46,12 @@ def timed_allreduce(key: str) -> None:
     report.setdefault("cpu_seconds", time.process_time() - cpu)
 
 
+if os.environ.get("SHM_RANKS_FSIZE"):  # a real kernel refusal of the reservation (EFBIG)
+    import resource
+
+    limit = int(os.environ["SHM_RANKS_FSIZE"])
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 timeout = datetime.timedelta(seconds=3 if mode == "peer_stuck" else 60)
 try:
     dist.init_process_group("shm", timeout=timeout)
@@ -55,8 +60,6 @@ except Exception as exc:  # noqa: BLE001
     done()
 report["ok"] = True
 report["reason"] = dist.group.WORLD.reason
-report["segments_after_init"] = glob.glob(f"/dev/shm/cpuddp-shm-*-{os.getppid()}-*") + glob.glob(
-    f"/dev/shm/cpuddp-shm-*-{os.getpid()}-*")
 if mode == "init_only":
     dist.barrier()  # rank 0 hosts the store: it must not leave before rank 1 has formed the group
     done()
