@@ -53,6 +53,7 @@ STATE_LIVE, STATE_LEFT = 0, 1
 
 FIX = ("give the job memory for the segment (or lower CPUDDP_SHM_SLOT), run the node's ranks as one user "
        "in one network namespace, or pass backend='gloo'")
+_PEER_FIX = "the fix is in that rank's own error (and docs/security.md if another user is named)"
 _SOCK_RE = re.compile(r"^[0-9a-f]{32}$")
 _SOCK_PREFIX = b"\0cpuddp-shm-"
 _MAX_SLOT = 1 << 30
@@ -339,7 +340,7 @@ def _peers_failed(store: Any, plan: NodePlan, pending: Dict[int, int], deadline:
         key = f"shm/mapped/{r}"
         if store.check([key]):
             raise BackendError(f"local rank {lr}: {store.get(key).decode(errors='replace').split(chr(9), 1)[-1]}",
-                               fix=FIX)
+                               fix=_PEER_FIX)
         pid = plan.peer_pids.get(r)
         if pid is not None and not pid_alive(pid):
             raise BackendError(f"local rank {lr} (rank {r}, pid {pid}) died before it mapped the segment", fix=FIX)

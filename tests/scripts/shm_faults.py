@@ -1,0 +1,82 @@
+"""One rank of a tests/test_shm_faults.py scenario, as a plain torch.distributed program.
+
+``python shm_faults.py MODE OUTDIR`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set (rank 0
+hosts the TCPStore); writes ``OUTDIR/rank<r>.json``.  Modes:
+
+* ``peer_dies``: rank 1 (started by the test in its own PID namespace) dies (``os._exit``) after one
+  allreduce; rank 0's next allreduce must fail within seconds, naming the death.
+* ``dies_mapping``: rank 1 dies (os._exit) right when it would fetch the segment from local
+  rank 0: rank 0's init must fail within seconds, naming the death.
+* ``attacked``: form the group and run 200 allreduces, each checked, while another local user
+  (tests/scripts/shm_intruder.py) writes false offers into the store and knocks on the hand-over
+  socket; each rank reports the sums it got or the error it raised.
+"""
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import cpuddp._shm_segment as segment
+import cpuddp.shm  # noqa: F401  -- registers "shm" with torch.distributed
+
+mode, outdir = sys.argv[1], sys.argv[2]
+rank = int(os.environ["RANK"])
+report: dict = {"rank": rank, "pid_ns": segment.pid_namespace()}
+
+
+def done() -> None:
+    with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    sys.stdout.flush()
+    os._exit(0)  # a peer may be dead: no teardown that could wait for it
+
+
+def attempt(key: str, fn) -> None:
+    start = time.monotonic()
+    try:
+        fn()
+        report[key] = "ok"
+    except Exception as exc:  # noqa: BLE001 -- the test reads the message
+        report[key] = f"{type(exc).__name__}: {exc}"
+    report[f"{key}_seconds"] = time.monotonic() - start
+
+
+if mode == "dies_mapping" and rank == 1:
+    def _die(*_a, **_k):
+        os._exit(17)  # a crash at the moment the segment would be fetched
+    segment._fetch = _die
+
+timeout = datetime.timedelta(seconds=60)
+attempt("init", lambda: dist.init_process_group("shm", timeout=timeout))
+if report["init"] != "ok":
+    done()
+
+if mode == "peer_dies":
+    attempt("first", lambda: dist.all_reduce(torch.ones(1000)))
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(9)  # under unshare --pid it is PID 1 of its namespace, which ignores its own SIGKILL
+    time.sleep(1.0)
+    attempt("second", lambda: dist.all_reduce(torch.ones(1000)))
+    done()
+
+if mode == "attacked":
+    got = []
+
+    def loop() -> None:
+        for i in range(200):
+            t = torch.full((257,), float(rank + 1 + i))
+            dist.all_reduce(t)
+            got.append(t[0].item())
+            if t[0].item() != 3.0 + 2 * i or not torch.equal(t, torch.full((257,), t[0].item())):
+                raise AssertionError(f"WRONG RESULT at call {i}: {t[:4].tolist()}")
+
+    attempt("loop", loop)
+    report["calls"] = len(got)
+    done()
+done()
