@@ -165,11 +165,11 @@ class _Stream:
         with self._lock:
             seq = self._next()
             if inline and self._pending == 0:
-                self._inline(seq, call, fn)
+                self._inline(seq, call, fn, lazy=True)
                 fut: torch.futures.Future = torch.futures.Future()
                 fut.set_result(result)
                 return _Work(fut)
-            return self._queue(seq, call, fn, result)
+            return self._queue(seq, call, fn, result, lazy=True)
 
     def gloo(self, call: Call, submit: Callable[[], Any], result: Any) -> Any:
         """A collective handed to gloo now (issue order = gloo's order), agreed before it counts."""
@@ -187,18 +187,19 @@ class _Stream:
         self._seq += 1
         return self._seq
 
-    def _inline(self, seq: int, call: Call, fn: Callable[[], None]) -> None:
+    def _inline(self, seq: int, call: Call, fn: Callable[[], None], lazy: bool = False) -> None:
         try:
-            self._path.agree(seq, call)
+            self._path.agree(seq, call, lazy=lazy)
             fn()
+            self._path.settle()
         except BaseException as exc:
             self._path.fail(str(exc))
             raise
 
-    def _queue(self, seq: int, call: Call, fn: Callable[[], None], result: Any) -> "_Work":
+    def _queue(self, seq: int, call: Call, fn: Callable[[], None], result: Any, lazy: bool = False) -> "_Work":
         fut: torch.futures.Future = torch.futures.Future()
         self._pending += 1
-        self._q.put((seq, call, fn, result, fut))
+        self._q.put((seq, call, fn, result, fut, lazy))
         return _Work(fut)
 
     def _loop(self) -> None:
@@ -208,11 +209,12 @@ class _Stream:
             item = self._q.get()
             if item is None:
                 return
-            seq, call, fn, result, fut = item
+            seq, call, fn, result, fut, lazy = item
             error: Optional[BaseException] = None
             try:
-                path.agree(seq, call)
+                path.agree(seq, call, lazy=lazy)
                 fn()
+                path.settle()
             except BaseException as exc:  # every error reaches the caller's wait()
                 path.fail(str(exc))
                 error = exc

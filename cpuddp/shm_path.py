@@ -79,6 +79,7 @@ class DataPath:
         self.calls = 0
         self.broken: Optional[str] = None
         self.left: Optional[str] = None
+        self._unchecked: Optional[Tuple[int, Call]] = None  # posted, not yet compared
 
     @staticmethod
     def thread_setup() -> None:
@@ -86,19 +87,38 @@ class DataPath:
 
     # ------------------------------------------------------------------ agreement
 
-    def agree(self, seq: int, call: Call) -> None:
-        """Post call ``seq``, wait for every local peer's, compare (raises on a mismatch)."""
+    def agree(self, seq: int, call: Call, *, lazy: bool = False) -> None:
+        """Post call ``seq``; unless ``lazy``, wait for every local peer's and compare (raises on a
+        mismatch).  ``lazy`` (a shared-memory allreduce): the comparison happens at the call's
+        first arrival round, before anything is reduced -- one synchronisation instead of two."""
         if self.broken is not None:
             raise dist.DistBackendError(f"the shm process group is broken by an earlier error: {self.broken}")
+        self.check_abort()  # a peer gave up: its data in the slots may be from a call it abandoned
         ring, lines, me = self.ring, self.seg.lines, self.local_rank
         if not ring.slot_free(seq):
             need = seq - shm_check.RING
             self.wait_for(lambda: [i for i, ln in enumerate(lines) if i != me and ln[C_CHECKED] < need],
                           f"call #{seq - shm_check.RING} to be checked")
         ring.post(seq, call)
-        if ring.late(seq):
-            self.wait_for(lambda: ring.late(seq), f"collective call #{seq} ({describe(call.words())})")
-        ring.compare(seq, call, self.local)
+        self._unchecked = (seq, call)
+        if not lazy:
+            self.settle()
+
+    def settle(self) -> None:
+        """Finish a posted call's agreement: wait until every local peer posted it, compare."""
+        if self._unchecked is None:
+            return
+        seq, call = self._unchecked
+        if self.ring.late(seq):
+            self.wait_for(lambda: self.ring.late(seq), f"collective call #{seq} ({describe(call.words())})")
+        self._unchecked = None
+        self.ring.compare(seq, call, self.local)
+
+    def _compare_if_posted(self) -> None:
+        """While waiting: a peer that posted a different call (one that will never arrive here,
+        e.g. it went to gloo) is a mismatch now, not at the timeout."""
+        if self._unchecked is not None and not self.ring.late(self._unchecked[0]):
+            self.settle()
 
     # ------------------------------------------------------------------ the data path
 
@@ -214,7 +234,9 @@ class DataPath:
                 counters = seg.counters
                 self.wait_for(lambda: [i for i, x in enumerate(counters) if x.value < epoch],
                               f"the shared-memory allreduce (step {epoch})")
-                return
+                break
+        if self._unchecked is not None:  # every peer arrived, so every peer posted: compare first
+            self.settle()
 
     def wait_for(self, late: Callable[[], List[int]], what: str) -> None:
         """Return once ``late()`` (the local ranks not there yet) is empty; raise at once when one of
@@ -227,6 +249,7 @@ class DataPath:
             if not late():
                 return
             if words[W_ABORT]:
+                self._compare_if_posted()  # a mismatch the peer found is this rank's error too
                 self.check_abort()
             now = time.monotonic()
             if now < spin_until:
@@ -235,6 +258,7 @@ class DataPath:
             time.sleep(_SLEEP)
             if now >= check_at:
                 check_at = now + _CHECK_EVERY
+                self._compare_if_posted()
                 self._check_peers(late(), what)
                 if now > deadline:
                     raise dist.DistBackendError(
