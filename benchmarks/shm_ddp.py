@@ -1,6 +1,7 @@
 """DDP training samples/s on the shared-memory backend vs gloo, same ranks count, interleaved runs.
 
     flock /tmp/cpuddp-heavy.lock python benchmarks/shm_ddp.py            # 2 ranks, 5 repeats
+    python benchmarks/shm_ddp.py --backends gloo,shm,shm-sync             # shm-sync: CPUDDP_SHM_ASYNC=0
     python benchmarks/shm_ddp.py --quick                                  # does the script work?
 
 Each run starts ``--nproc`` local ranks (``cpuddp.init_distributed(backend=...)``, default
@@ -53,7 +54,10 @@ def rank_main(args: argparse.Namespace) -> None:
 
     import cpuddp
 
-    cpuddp.init_distributed(backend=args.backend)
+    backend = args.backend
+    if backend == "shm-sync":  # the shm backend with every collective in the caller's thread
+        os.environ["CPUDDP_SHM_ASYNC"], backend = "0", "shm"
+    cpuddp.init_distributed(backend=backend)
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = torch.nn.Sequential(

@@ -52,7 +52,8 @@ Security (docs/security.md): the segment is a ``memfd`` handed over a Unix socke
 credentials are checked; nothing is mapped because a store value names it.
 
 Environment variables read: ``CPUDDP_SHM_SLOT`` (:mod:`cpuddp.shm_check`), ``CPUDDP_SHM_INTER``
-(``gloo`` or ``ccl``: the node-to-node leg).
+(``gloo`` or ``ccl``: the node-to-node leg), ``CPUDDP_SHM_ASYNC`` (``0``: every collective in the
+caller's thread).
 
 The code: this module is the process group (torch's interface, the issue path, delegation);
 :mod:`cpuddp.shm_path` the data path and the waiting; :mod:`cpuddp.shm_agree` the per-call
@@ -91,6 +92,18 @@ _JOIN_TIMEOUT = 10.0
 #: An allreduce up to this size runs in the caller's thread when the stream is idle: the thread
 #: hop costs more than overlap could win (DDP's buckets are 1 MiB and up).
 _INLINE_BYTES = 64 << 10
+#: ``CPUDDP_SHM_ASYNC=0`` runs every collective in the caller's thread (as before round 3).
+ASYNC_VAR = "CPUDDP_SHM_ASYNC"
+
+
+def _inline_bytes(environ: Any = os.environ) -> float:
+    raw = (environ.get(ASYNC_VAR) or "1").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return _INLINE_BYTES
+    if raw in ("0", "false", "no", "off"):
+        return float("inf")
+    raise BackendError(f"{ASYNC_VAR}={environ.get(ASYNC_VAR)!r} is neither 1 nor 0",
+                       fix=f"set {ASYNC_VAR}=0 to run every shm collective in the caller's thread, or unset it")
 
 
 def _root(opts: Any, args: Sequence[Any]) -> Optional[int]:
@@ -244,6 +257,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         self._path: Optional[DataPath] = None
         self._stream: Optional[_Stream] = None
         self.reason = self._setup(store, rank, size, timeout)
+        self._inline_bytes = _inline_bytes()
         if self._path is not None:
             self._stream = _Stream(self._path, rank)
         if rank == 0:
@@ -292,7 +306,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         path = self._path
         if path is not None and path.qualifies(tensors, code):
             call = encode("all_reduce", tensors, op=int(code), shm=True)
-            inline = call.numel * tensors[0].element_size() <= _INLINE_BYTES
+            inline = call.numel * tensors[0].element_size() <= self._inline_bytes
             return self._stream.shm(call, lambda: path.run(tensors, code), tensors, inline)  # type: ignore[union-attr]
         return self._delegate("all_reduce", tensors, lambda: self._gloo.allreduce(tensors, opts), tensors,
                               op=int(code))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -80,10 +81,13 @@ class DataPath:
         self.broken: Optional[str] = None
         self.left: Optional[str] = None
         self._unchecked: Optional[Tuple[int, Call]] = None  # posted, not yet compared
+        self._comm_thread: Optional[int] = None
 
-    @staticmethod
-    def thread_setup() -> None:
+    def thread_setup(self) -> None:
+        """On the communication thread: one OpenMP thread for its ops; no yield-spinning while it
+        shares its CPUs with the compute threads (a spin would take the core backward needs)."""
         _single_threaded_ops()
+        self._comm_thread = threading.get_ident()
 
     # ------------------------------------------------------------------ agreement
 
@@ -243,7 +247,8 @@ class DataPath:
         them died, left the group or gave up, and at the group timeout otherwise."""
         words = self.seg.words
         start = time.monotonic()
-        spin_until, check_at = start + self.spin_for, start + _CHECK_EVERY
+        spin = 0.0 if threading.get_ident() == self._comm_thread else self.spin_for
+        spin_until, check_at = start + spin, start + _CHECK_EVERY
         deadline = start + self.timeout
         while True:
             if not late():
