@@ -6,7 +6,7 @@ Use::
     cpuddp.init_distributed(backend="shm")          # or backend="auto" (see docs/backends.md)
 
     import cpuddp.shm                                # registers "shm" with torch.distributed
-    torch.distributed.init_process_group("shm")      # plain torch and Lightning (docs/frameworks.md)
+    torch.distributed.init_process_group("shm")      # plain torch, no pinning (frameworks: docs/frameworks.md)
 
 Importing this module registers the backend with ``torch.distributed.Backend`` (idempotent).
 ``import cpuddp`` alone does not (it never imports torch); :func:`cpuddp.init_distributed`

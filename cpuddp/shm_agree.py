@@ -115,8 +115,7 @@ class Ring:
 
     def post(self, seq: int, call: Call) -> None:
         entry = self._seg.rings[self.me][seq % shm_check.RING]
-        for i, w in enumerate(call.words()):
-            entry[1 + i] = w
+        entry[1:8] = call.words()
         entry[0] = seq
         self._seg.lines[self.me][self._posted] = seq  # x86 TSO: peers that see this see the entry
 
