@@ -5,6 +5,7 @@ Usage::
     cpuddp doctor [--json]              # what cpuddp sees here, and what it would do
     cpuddp bench COLLECTIVE [options]   # nccl-tests style sweep: allreduce, all_gather,
                                         # broadcast, reduce_scatter (see cpuddp.bench)
+    cpuddp run [options] script.py ...  # plan ranks/CPUs/threads and launch (see cpuddp.run)
 
 ``cpuddp doctor`` never imports torch and answers in well under two seconds.
 ``cpuddp bench`` runs inside each rank of any launcher, or starts ``--nproc N`` local ranks.
@@ -36,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
                        description=(bench.__doc__ or "").split("\n\n")[0],
                        epilog="Exit codes: 0 ok, 1 error, 2 usage, 3 wrong results, 4 below --min-busbw.")
     bench.add_arguments(b)
+    from . import run
+
+    r = sub.add_parser("run", help="size, pin and launch a training script (torchrun, srun or MPI)",
+                       description=(run.__doc__ or "").split("\n\n")[0],
+                       epilog="Exit codes: the launcher's; 2 for a request that cannot be met.")
+    run.add_arguments(r)
     return p
 
 
@@ -50,6 +57,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from . import doctor
 
         return doctor.run(args)
+    if args.command == "run":
+        from . import run
+
+        return run.run(args)
     from . import bench
 
     return bench.run(args, argv)

@@ -38,11 +38,14 @@ The user wins (:func:`plan_for`):
   is bigger than the rank's share of the node (other ranks may share it), the thread count
   is capped at that share.  A set narrowed with no launcher binding (``taskset``/``numactl``
   around the whole job) is split among the local ranks.
+- ``CPUDDP_RANK_CPUS`` (set by ``cpuddp run`` on one node: each local rank's CPU list,
+  ``;``-separated) wins over the rules above: the rank's set is its entry (within the usable
+  CPUs), used whole.  A list that does not match the local world size is ignored with a warning.
 - ``CPUDDP_NUM_THREADS`` wins over everything, then an explicit ``OMP_NUM_THREADS``.
   ``OMP_NUM_THREADS=1`` under torchrun with several local ranks is torchrun's own default,
   not the user's choice: the plan replaces it (``CPUDDP_NUM_THREADS=1`` keeps 1 thread).
 
-Environment variables read: ``CPUDDP_NUM_THREADS``, ``OMP_NUM_THREADS``,
+Environment variables read: ``CPUDDP_RANK_CPUS``, ``CPUDDP_NUM_THREADS``, ``OMP_NUM_THREADS``,
 ``CCL_WORKER_COUNT``, and the binding signs ``I_MPI_PIN``, ``I_MPI_PIN_MAPPING``,
 ``I_MPI_PIN_DOMAIN``, ``I_MPI_PIN_PROCESSOR_LIST``, ``HYDRA_USER_PROVIDED_BINDING``,
 ``SLURM_CPU_BIND``, ``SLURM_CPU_BIND_TYPE``, ``MV2_ENABLE_AFFINITY``.  Written by
@@ -68,7 +71,7 @@ from .affinity_ccl import worker_count
 from .affinity_plan import KMP_AFFINITY, KMP_BLOCKTIME, WARNING_CODES, PinPlan, PinWarning, plan_pinning
 from .hosts import pairwise_disjoint
 from .launcher_parsers import positive_int
-from .topology import Topology, format_cpulist, read_topology
+from .topology import Topology, format_cpulist, parse_cpulist, read_topology
 
 if TYPE_CHECKING:  # pragma: no cover
     from .env import DistEnv
@@ -165,6 +168,24 @@ def _bound_by(env: "DistEnv", environ: Mapping[str, str], topo: Topology,
     return None
 
 
+def _run_plan_cpus(env: "DistEnv", environ: Mapping[str, str], topo: Topology) -> Optional[frozenset[int]]:
+    """This local rank's CPUs from ``CPUDDP_RANK_CPUS`` (``cpuddp run``'s plan, ``;``-separated
+    in local-rank order) within the usable set; None when unset, when the list does not match
+    the local world size, or when none of its CPUs is usable (then the usual rules apply)."""
+    raw = environ.get("CPUDDP_RANK_CPUS", "").strip()
+    parts = raw.split(";")
+    if not raw or len(parts) != env.local_world_size:
+        if raw:
+            _warn_once(f"CPUDDP_RANK_CPUS={raw!r} has {len(parts)} entries for {env.local_world_size} local ranks: ignored")
+        return None
+    try:
+        cpus = parse_cpulist(parts[env.local_rank]) & topo.usable
+    except ValueError as exc:
+        _warn_once(f"CPUDDP_RANK_CPUS={raw!r}: {exc}: ignored")
+        return None
+    return frozenset(cpus) or None
+
+
 def plan_for(
     env: "DistEnv",
     *,
@@ -190,7 +211,12 @@ def plan_for(
 
     omp = _user_threads(env, environ, notes, replace)
     ccl_workers = worker_count(environ) if backend in ("ccl", "oneccl") else 0
-    bound_by = _bound_by(env, environ, topo, local_cpus, notes)
+    run_cpus = _run_plan_cpus(env, environ, topo)
+    if run_cpus is not None:  # `cpuddp run` planned this rank's CPUs: they win over the split
+        topo = dataclasses.replace(topo, allowed=run_cpus)
+        bound_by = f"cpuddp run's plan (CPUDDP_RANK_CPUS: CPUs {format_cpulist(run_cpus)})"
+    else:
+        bound_by = _bound_by(env, environ, topo, local_cpus, notes)
     plan = plan_pinning(
         topo,
         env.local_rank,

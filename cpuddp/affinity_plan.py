@@ -29,7 +29,8 @@ WARNING_CODES = {
     "hyperthreads-shared": "more local ranks than physical cores: ranks get hyperthread siblings",
     "oversubscribed": "more local ranks than logical CPUs: ranks share CPUs",
     "unequal-shares": "the cores do not divide evenly among the local ranks",
-    "ccl-workers-unreserved": "no CPU left for oneCCL's workers: they share the compute CPUs",
+    "ccl-workers-unreserved": "CCL_WORKER_COUNT above 1 leaves no CPU for oneCCL's workers: they share "
+                              "the compute CPUs (never for the default of 1, which cannot go lower)",
     "threads-exceed-cpus": "the user asked for more threads than the rank has CPUs",
     "other": "a warning made from plain text (PinPlan(warnings=[\"...\"]))",
 }
@@ -285,11 +286,16 @@ def _reserve_ccl(mine: list[_Unit], ccl_workers: int, r: int, kind: str,
         return mine, []
     if len(mine) > ccl_workers:
         return mine[ccl_workers:], mine[:ccl_workers]
-    warnings.append(PinWarning(
-        "ccl-workers-unreserved",
-        f"{WORKER_COUNT_VAR}={ccl_workers} but local rank {r} has only {len(mine)} {kind}: "
-        f"no CPUs reserved for oneCCL workers, they share the compute CPUs",
-        f"fewer ranks per node, or {WORKER_COUNT_VAR} below the cores per rank"))
+    if ccl_workers > 1:  # only a user's setting is above oneCCL's default of 1: say what would fit
+        fits = max(1, len(mine) - 1)
+        warnings.append(PinWarning(
+            "ccl-workers-unreserved",
+            f"{WORKER_COUNT_VAR}={ccl_workers} but local rank {r} has only {len(mine)} {kind}: "
+            f"no CPUs reserved for oneCCL workers, they share the compute CPUs",
+            f"{WORKER_COUNT_VAR}={fits}" + (" (oneCCL's default; it refuses 0)" if fits == 1 else "")
+            + ", or fewer ranks per node"))
+    # One worker (oneCCL's default, the least it accepts) and one unit per rank: the worker
+    # shares the rank's CPU, as shm's communication thread does -- nothing to fix, no warning.
     return mine, []
 
 

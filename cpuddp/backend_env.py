@@ -16,6 +16,9 @@ Configuring (:func:`backend_env`, pure) returns the variables to export before
 ``CCL_WORKER_COUNT``              ``1`` (ccl)
 ``CCL_WORKER_AFFINITY``           the pinning plan's ``ccl_worker_cpus``; none reserved: the
                                   rank's own last CPU(s) (ccl)
+``CPUDDP_SHM_INTER``              the shm group's node-to-node leg, ``ccl`` when oneCCL's
+                                  bindings work, else ``gloo`` (shm across nodes; the rule is
+                                  :func:`cpuddp.backend_auto.inter_leg`)
 ``GLOO_SOCKET_IFNAME``            ``lo`` for a single-node job on loopback; otherwise the
                                   interface that routes to ``MASTER_ADDR`` (any backend:
                                   gloo groups are made beside ccl ones for CPU objects)
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Tuple, Union
 
 from .affinity_ccl import DEFAULT_WORKERS, WORKER_AFFINITY_VAR, WORKER_COUNT_VAR, worker_affinity, worker_count
+from .backend_auto import INTER_VAR
 from .backend_types import BackendChoice
 from .launchers import is_loopback
 from .netif import Route, is_loopback_address
@@ -44,7 +48,7 @@ from .netif import Route, is_loopback_address
 if TYPE_CHECKING:  # pragma: no cover
     from .env import DistEnv
 
-__all__ = ["RouteLookup", "CclPaths", "backend_env", "ccl_settings", "ccl_env", "find_ccl_paths", "gloo_env"]
+__all__ = ["RouteLookup", "CclPaths", "backend_env", "ccl_settings", "ccl_env", "find_ccl_paths", "gloo_env", "shm_env"]
 
 log = logging.getLogger("cpuddp.backends")
 
@@ -75,8 +79,24 @@ def backend_env(
     out: dict[str, str] = {}
     if name == "ccl":
         out.update(ccl_env(env, plan, environ, paths=ccl_paths))
+    if name == "shm" and not isinstance(choice, str):
+        out.update(shm_env(choice, environ))
     out.update(gloo_env(env, environ, route_lookup=route_lookup))
     return out
+
+
+def shm_env(choice: BackendChoice, environ: Mapping[str, str]) -> dict[str, str]:
+    """``CPUDDP_SHM_INTER`` for an shm group that spans nodes: the rule's node-to-node leg
+    (:func:`cpuddp.backend_auto.inter_leg`), unless the user set it (then logged, and kept)."""
+    if choice.inter is None:
+        return {}
+    user = environ.get(INTER_VAR)
+    if user is not None:
+        if user.strip().lower() != choice.inter:
+            log.info("cpuddp: %s=%s is your setting and is kept (the rule would take %s between nodes)",
+                     INTER_VAR, user, choice.inter)
+        return {}
+    return {INTER_VAR: choice.inter}
 
 
 @dataclass(frozen=True)

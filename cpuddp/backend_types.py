@@ -58,6 +58,9 @@ class BackendChoice:
     #: True when :func:`resolve_backend` checked the module against torch (so
     #: :func:`load_backend` need not check again).
     verified: bool = False
+    #: For shm across nodes: the backend of the group's node-to-node leg ("ccl" or "gloo",
+    #: exported as ``CPUDDP_SHM_INTER``); None otherwise.
+    inter: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,11 @@
 
 Choosing (:func:`resolve_backend`)::
 
-    backend="auto"   oneCCL ("ccl") when its bindings are installed, match this torch and
-                     their module is present; gloo otherwise.  With device="cuda": nccl
-                     when available, gloo otherwise.
+    backend="auto"   :func:`cpuddp.backend_auto.auto_rule`: within a node shared memory
+                     ("shm") when the node is eligible, its node-to-node leg on oneCCL when
+                     the bindings work, else gloo; where shm cannot run, oneCCL across
+                     nodes when it works, else gloo (on one node gloo: oneCCL measured
+                     slower there).  With device="cuda": nccl when available, else gloo.
     backend="ccl"    oneCCL or a BackendError naming the package and the versions found.
                      Never a silent fallback to gloo.
     backend=<name>   any name in BACKENDS ("gloo", "ccl", "mpi", "nccl", "accl", or one
@@ -58,6 +60,7 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
+from .backend_auto import AutoFacts, auto_rule, inter_leg
 from .backend_ccl import (
     CCL_DISTRIBUTIONS,
     SKIP_VERSION_CHECK_VAR,
@@ -279,11 +282,14 @@ def resolve_backend(
     environ: Optional[Mapping[str, str]] = None,
     device: Optional[str] = None,
     node_cpus: Optional[int] = None,
+    probe_torch: bool = True,
 ) -> BackendChoice:
     """Pick the backend for ``requested`` ("auto", "ccl", "gloo", ... any registered name).
 
     ``node_cpus``: the CPUs this node's ranks may use together (known at init, from the hosts
     gathered); "auto" takes the shared-memory backend only when they do not outnumber them.
+    ``probe_torch=False`` (``cpuddp doctor`` without ``--torch``): gloo is taken as built in
+    rather than checked by importing torch; the rule is the same (:mod:`cpuddp.backend_auto`).
 
     ``device`` ("cpu" by default, or "cuda") steers "auto".  Nothing is imported except
     torch itself.  Raises :class:`~cpuddp.errors.BackendError` for an unknown name (listing
@@ -295,7 +301,7 @@ def resolve_backend(
     name = requested.strip().lower()
     lk = _lookups(metadata, find_module, environ)
     if name == "auto":
-        return _auto(env, lk, (device or "cpu").strip().lower(), node_cpus)
+        return _auto(env, lk, (device or "cpu").strip().lower(), node_cpus, probe_torch)
     spec = BACKENDS.get(name)
     if spec is None:
         raise _unknown(requested)
@@ -323,28 +329,45 @@ def resolve_backend(
             f"backend={name!r} serves {', '.join(spec.devices)} tensors, not {device!r}",
             fix=f"pick a backend for {device!r} (auto does), or move the model",
         )
-    return BackendChoice(name, f"requested; {st.reason}", st.module, name, st.version, st.distribution, True)
+    inter = shm_inter(env, lk) if name == "shm" else None
+    return BackendChoice(name, f"requested; {st.reason}", st.module, name, st.version, st.distribution, True, inter)
 
 
-def _auto(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[int] = None) -> BackendChoice:
+def _auto(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[int] = None,
+          probe_torch: bool = True) -> BackendChoice:
+    """Gather the facts :func:`cpuddp.backend_auto.auto_rule` needs, ask it, and check the answer."""
+    facts = _auto_facts(env, lk, device, node_cpus, probe_torch)
+    d = auto_rule(facts)
+    if d.backend == "gloo":
+        return _auto_gloo(lk, d.reason, probe_torch)
+    if d.backend == "ccl":
+        ccl = _status(BACKENDS["ccl"], lk)
+        return BackendChoice("ccl", f"auto: {d.reason}", ccl.module, "auto", ccl.version, ccl.distribution, True)
+    spec = BACKENDS.get(d.backend)
+    return BackendChoice(d.backend, f"auto: {d.reason}", spec.module if spec else None, "auto", inter=d.inter)
+
+
+def _auto_facts(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[int], probe_torch: bool) -> AutoFacts:
     if device == "cuda":
+        if not probe_torch:
+            return AutoFacts(env.local_world_size, env.num_nodes, False, "", False, "", device,
+                             False, "not probed without torch")
         nccl = _status(BACKENDS["nccl"], lk) if "nccl" in BACKENDS else None
-        if nccl is not None and nccl.available:
-            return BackendChoice("nccl", f"auto: the model is on CUDA and {nccl.reason}", None, "auto")
-        why = nccl.reason if nccl is not None else "nccl is not registered"
-        return _auto_gloo(lk, f"the model is on CUDA but nccl cannot run ({why})")
-    # A working oneCCL binding wins: installing (or building) it is the user's choice.  Then
-    # the shared-memory backend where ranks share a node, then gloo.
+        return AutoFacts(env.local_world_size, env.num_nodes, False, "", False, "", device,
+                         bool(nccl and nccl.available), nccl.reason if nccl else "nccl is not registered")
     ccl = _status(BACKENDS["ccl"], lk) if "ccl" in BACKENDS else None
-    if ccl is not None and ccl.available:
-        return BackendChoice("ccl", f"auto: {ccl.reason}", ccl.module, "auto", ccl.version, ccl.distribution, True)
-    why_not = ccl.reason if ccl is not None else "ccl is not registered"
     shm = _auto_shm(env, lk, node_cpus)
-    if shm is not None and shm.available:
-        return BackendChoice(shm.name, f"auto: {shm.reason} (no ccl: {why_not})", shm.module, "auto")
-    if shm is not None:
-        why_not = f"{why_not}; {shm.name}: {shm.reason}"
-    return _auto_gloo(lk, why_not)
+    return AutoFacts(
+        env.local_world_size, max(1, env.num_nodes),
+        bool(shm and shm.available), shm.reason if shm else "shm is not registered",
+        bool(ccl and ccl.available), ccl.reason if ccl else "ccl is not registered", device)
+
+
+def shm_inter(env: "DistEnv", lk: Optional[Lookups] = None) -> Optional[str]:
+    """The node-to-node leg for a named ``backend="shm"``: the same rule as auto's."""
+    lk = lk or _lookups()
+    ccl = _status(BACKENDS["ccl"], lk) if "ccl" in BACKENDS else None
+    return inter_leg(env.num_nodes, bool(ccl and ccl.available), ccl.reason if ccl else "")[0]
 
 
 def _auto_shm(env: "DistEnv", lk: Lookups, node_cpus: Optional[int]) -> Optional[BackendStatus]:
@@ -358,7 +381,9 @@ def _auto_shm(env: "DistEnv", lk: Lookups, node_cpus: Optional[int]) -> Optional
     return BackendStatus(spec.name, ok, reason, module=spec.module)
 
 
-def _auto_gloo(lk: Lookups, why_not: str) -> BackendChoice:
+def _auto_gloo(lk: Lookups, why_not: str, probe_torch: bool = True) -> BackendChoice:
+    if not probe_torch and "gloo" in BACKENDS:  # doctor without torch: built into every PyPI torch
+        return BackendChoice("gloo", f"auto: gloo, because {why_not}", None, "auto")
     gloo = _status(BACKENDS["gloo"], lk) if "gloo" in BACKENDS else None
     if gloo is None or not gloo.available:
         raise BackendError(

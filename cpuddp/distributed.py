@@ -39,8 +39,10 @@ stderr handler to the ``cpuddp`` logger at that level).
 
 Environment variables written, and restored by :func:`shutdown`: ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` go to
-``environ`` (default ``os.environ``); the backend's settings (``CCL_*``, ``FI_*``,
-``GLOO_SOCKET_IFNAME``) and the pinning plan's (``OMP_NUM_THREADS``, ``KMP_AFFINITY``,
+``environ`` (default ``os.environ``) when a launcher started the process (a plain ``python``
+run exports none of them, so a framework that launches its own ranks still does); the
+backend's settings (``CCL_*``, ``FI_*``, ``GLOO_SOCKET_IFNAME``) and the pinning plan's
+(``OMP_NUM_THREADS``, ``KMP_AFFINITY``,
 ``KMP_BLOCKTIME``) always go to the process environment (``os.environ``), because the
 native libraries read them there, and only where the user has not set them there.  A value
 the user set that cpuddp must change is logged as a warning.  :func:`shutdown` puts back
@@ -64,11 +66,12 @@ import dataclasses
 import datetime
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Optional
 
-from . import hosts
+from . import ddp_check, hosts
 from ._compat import TESTED_TORCH, check_torch_version, older_than_tested
 from .env import DistEnv, Provenance, Source
 from .errors import BackendError, RendezvousError, first_line
@@ -154,8 +157,9 @@ def init_distributed(
 ) -> DistEnv:
     """Join (or form) the job's process group and return where this process sits in it.
 
-    ``backend``: ``"auto"`` (a working oneCCL, else the shared-memory backend where ranks
-    share a node, else gloo), ``"gloo"``, ``"ccl"``, or any registered name.  ``timeout``:
+    ``backend``: ``"auto"`` (:func:`cpuddp.backend_auto.auto_rule`: shared memory within a
+    node, oneCCL between nodes when it works, else gloo), ``"gloo"``, ``"ccl"``, or any
+    registered name.  ``timeout``:
     seconds or a timedelta (default ``CPUDDP_TIMEOUT`` or 300 s).  ``pin``: pin this rank's
     compute threads to its own physical cores.  ``environ``: the mapping to read the
     launcher's variables from and to export the rank variables to (default ``os.environ``;
@@ -188,6 +192,7 @@ def init_distributed(
             raise
         _current, _undo_log = current, undo
         _register_atexit()
+        ddp_check.install(current.env.world_size)  # warns when an optimizer steps an unwrapped model
         _log_ready(current)
         return current.env
 
@@ -299,9 +304,12 @@ def _plan_and_pin(env: DistEnv, choice: "BackendChoice", pin: bool, environ: Mut
     from . import affinity, backends
 
     plan = affinity.plan_for(env, backend=choice.name, environ=environ, local_cpus=local_cpus) if pin else None
-    undo.exports.export(environ, env.exported(), reason="describes this process to torch and child processes",
-                        strict=True)
-    undo.exports.export(os.environ, backends.backend_env(env, choice.name, plan, os.environ), reason="backend setting")
+    # A plain `python` run (no launcher, world of 1) exports no rank variables: a framework reads
+    # LOCAL_RANK as "an outside launcher started me" (Lightning) and would not start its own ranks.
+    if env.launcher != "none":
+        undo.exports.export(environ, env.exported(), reason="describes this process to torch and child processes",
+                            strict=True)
+    undo.exports.export(os.environ, backends.backend_env(env, choice, plan, os.environ), reason="backend setting")
     backends.load_backend(choice)
     if plan is not None:
         undo.pin_state = affinity.apply_plan(plan, os.environ, threads=before)
@@ -350,11 +358,12 @@ def _agree_backend(requested: str, env: DistEnv, store: Any, name: str, td: date
                    environ: Mapping[str, str], node_cpus: Optional[int] = None) -> Any:
     """This rank's backend choice, checked against every other rank's through the store.
     Under "auto", ranks that disagree (a binding on some nodes only) all take gloo."""
-    from . import backends
+    from . import backends, store_values
 
     choice = backends.resolve_backend(requested, env, environ=environ, node_cpus=node_cpus)
     if store is not None:
         names = hosts.exchange(store, name, env.rank, env.world_size, choice.name, td, what="backend")
+        names = [store_values.backend_name(f"{name}/{r}", n) for r, n in enumerate(names)]
         if len(set(names)) > 1:
             shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
             if requested.strip().lower() != "auto":
@@ -362,9 +371,23 @@ def _agree_backend(requested: str, env: DistEnv, store: Any, name: str, td: date
                                    fix="pass the same backend= on every rank")
             gloo = backends.resolve_backend("gloo", env, environ=environ)
             choice = dataclasses.replace(gloo, reason=f"auto: the ranks' choices differ ({shown}); gloo runs everywhere")
+        elif choice.inter is not None:  # every rank chose shm across the same nodes
+            choice = _agree_inter(choice, env, store, f"{name}/inter", td)
     if env.is_main:
         log.info("cpuddp: backend %s (%s)", choice.name, choice.reason)
     return choice
+
+
+def _agree_inter(choice: Any, env: DistEnv, store: Any, name: str, td: datetime.timedelta) -> Any:
+    """shm's node-to-node leg: oneCCL only when every rank has working bindings, else gloo."""
+    from . import store_values
+
+    legs = hosts.exchange(store, name, env.rank, env.world_size, choice.inter, td, what="backend")
+    legs = [store_values.backend_name(f"{name}/{r}", n) for r, n in enumerate(legs)]
+    if len(set(legs)) == 1:
+        return choice
+    return dataclasses.replace(choice, inter="gloo", reason=f"{choice.reason}; between nodes gloo after all: "
+                               f"not every rank has working oneCCL bindings ({', '.join(sorted(set(legs)))})")
 
 
 def _size_var(env: DistEnv) -> str:
@@ -433,6 +456,7 @@ def shutdown(timeout: float = SHUTDOWN_TIMEOUT) -> None:
         from . import watchdog
 
         watchdog.stop()  # first: it says "done" through the store the group is about to drop
+        ddp_check.uninstall()
         _destroy_group(timeout)
         if _undo_log is not None:
             _undo(_undo_log)
@@ -449,6 +473,9 @@ def _destroy_group(timeout: float) -> None:
         return
     if _abandoned is not None:
         return
+    shm = sys.modules.get("cpuddp.shm")
+    if shm is not None:  # peers waiting for this rank learn at once that it left
+        shm.leave_groups()
     done = threading.Event()
 
     def _destroy() -> None:

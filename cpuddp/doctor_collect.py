@@ -64,9 +64,10 @@ def _launcher(environ: Mapping[str, str]) -> tuple[dict[str, Any], Any]:
 def _backends(env: Any, probe_torch: bool) -> dict[str, Any]:
     """Every registered backend's status, and what ``backend="auto"`` would pick.
 
-    Without ``probe_torch`` torch's built-in backends are listed unprobed, and "auto" is
-    decided as :func:`cpuddp.backends.resolve_backend` decides it: ccl when its bindings are
-    usable, else gloo (built into every PyPI torch).
+    "auto" is :func:`cpuddp.backends.resolve_backend`'s answer, the rule init applies
+    (:func:`cpuddp.backend_auto.auto_rule`), for this process's launcher layout and CPUs.
+    Without ``probe_torch`` torch's built-in backends are listed unprobed and gloo is taken as
+    built in (every PyPI torch has it); nothing imports torch.
     """
     from . import backends
 
@@ -81,13 +82,11 @@ def _backends(env: Any, probe_torch: bool) -> dict[str, Any]:
             items.append(_plain(backends.backend_status(name)))
     out: dict[str, Any] = {"available": True, "backends": items, "torch_probed": not light}
     if env is not None:
-        ccl = next((b for b in items if b.get("name") == "ccl"), None)
+        from .hosts import allowed_cpus
+
         try:
-            if not light or (ccl and ccl.get("available")):
-                out["auto"] = _plain(backends.resolve_backend("auto", env))
-            else:
-                why = ccl["reason"] if ccl else "ccl is not registered"
-                out["auto"] = {"name": "gloo", "reason": f"auto: gloo, because {why}", "requested": "auto"}
+            out["auto"] = _plain(backends.resolve_backend("auto", env, node_cpus=len(allowed_cpus()) or None,
+                                                          probe_torch=not light))
         except Exception as e:
             out["auto"] = {"error": f"{type(e).__name__}: {e}"}
     return out

@@ -109,7 +109,11 @@ def _backends(report: Mapping[str, Any], add: Callable[[str], None]) -> None:
             if "error" in auto:
                 add(f"  auto -> error: {auto['error']}")
             else:
-                add(f"  auto -> {auto.get('name')}" + (f" ({auto['reason']})" if auto.get("reason") else ""))
+                leg = f", between nodes {auto['inter']}" if auto.get("inter") else ""
+                add(f"  auto -> {auto.get('name')}{leg}" + (f" ({auto['reason']})" if auto.get("reason") else ""))
+            from .backend_auto import RULE
+
+            add(f"  auto's rule: {RULE}")
 
 
 def _cpu(report: Mapping[str, Any], add: Callable[[str], None]) -> None:

@@ -25,16 +25,20 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+from . import store_values
 from .errors import RendezvousError
 
 __all__ = [
     "host_identity",
+    "machine_of",
     "pid_alive",
     "HostRecord",
     "Layout",
     "exchange",
     "publish_error",
     "gather_hosts",
+    "parse_record",
+    "check_records",
     "layout",
     "pairwise_disjoint",
 ]
@@ -47,13 +51,22 @@ def host_identity(namespaces: tuple[str, ...] = ("net",)) -> str:
     """What distinguishes hosts: hostname, boot id and the given Linux namespaces (the
     network namespace by default; the watchdog adds "pid": two processes with the same
     identity then see each other's PIDs)."""
-    parts = [socket.gethostname()]
+    parts = [socket.gethostname(), ""]  # a field each, empty when unreadable: machine_of reads field 2
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
-        parts.append(f.read().strip())
+        parts[1] = f.read().strip()
     for ns in namespaces:
+        ino = ""
         with contextlib.suppress(OSError):
-            parts.append(str(os.stat(f"/proc/self/ns/{ns}").st_ino))
+            ino = str(os.stat(f"/proc/self/ns/{ns}").st_ino)
+        parts.append(ino)
     return "|".join(parts)
+
+
+def machine_of(identity: str) -> str:
+    """The machine part of a :func:`host_identity` (pure): its boot id -- one per running
+    kernel, shared by every container on it, whatever their hostname -- else its hostname."""
+    fields = identity.split("|")
+    return f"boot:{fields[1]}" if len(fields) > 1 and fields[1] else f"host:{fields[0]}"
 
 
 def pid_alive(pid: int) -> bool:
@@ -101,6 +114,7 @@ class HostRecord:
 
     @classmethod
     def from_json(cls, text: str) -> "HostRecord":
+        """Read back :meth:`to_json`'s text (trusted: use :func:`parse_record` for a store's)."""
         d = json.loads(text)
         return cls(int(d["rank"]), str(d["host"]), tuple(int(c) for c in d["cpus"]),
                    d.get("local_rank"), d.get("local_size"))
@@ -128,9 +142,58 @@ class Layout:
         return len(self.nodes)
 
 
+_RECORD = "a host record (JSON: rank, host, cpus, local_rank, local_size)"
+_FIELDS = ("rank", "host", "cpus", "local_rank", "local_size")
+
+
+def _optional_int(key: str, name: str, value: Any, lo: int, hi: int, raw: Any) -> Optional[int]:
+    return None if value is None else store_values.int_field(key, name, value, lo, hi, expected=_RECORD, text=False,
+                                                             whole=raw)
+
+
+def parse_record(key: str, raw: Any, rank: int, world_size: int) -> HostRecord:
+    """Rank ``rank``'s :class:`HostRecord` as read from the store under ``key`` (pure), every
+    field checked: its own rank, a host identity of sane length, distinct CPU numbers in
+    ``0..MAX_CPU-1``, a launcher's local rank/size within the world.  Raises
+    :class:`RendezvousError` naming ``key`` and what was wrong."""
+    sv = store_values
+    d = sv.json_object(key, raw, _FIELDS, expected=_RECORD)
+    if sv.int_field(key, "rank", d["rank"], 0, world_size, expected=_RECORD, text=False, whole=raw) != rank:
+        raise sv.bad_value(key, f"its rank {d['rank']} is not {rank}, the rank of its key", raw, expected=_RECORD)
+    host = d["host"]
+    if not isinstance(host, str) or not host or len(host) > sv.MAX_HOST or not host.isprintable():
+        raise sv.bad_value(key, f"its host {sv.shown(host, 40)} is not printable text of 1..{sv.MAX_HOST} "
+                           "characters", raw, expected=_RECORD)
+    cpus = d["cpus"]
+    if not isinstance(cpus, list) or len(cpus) > sv.MAX_CPU:
+        raise sv.bad_value(key, f"its cpus are not a list of at most {sv.MAX_CPU} CPU numbers", raw, expected=_RECORD)
+    cpu_numbers = tuple(sv.int_field(key, "CPU number", c, 0, sv.MAX_CPU, expected=_RECORD, text=False, whole=raw) for c in cpus)
+    if len(set(cpu_numbers)) != len(cpu_numbers):
+        raise sv.bad_value(key, "its cpus repeat a CPU", raw, expected=_RECORD)
+    local_size = _optional_int(key, "local_size", d["local_size"], 1, world_size + 1, raw)
+    local_rank = _optional_int(key, "local_rank", d["local_rank"], 0, local_size or world_size, raw)
+    return HostRecord(rank, host, cpu_numbers, local_rank, local_size)
+
+
+def check_records(records: Sequence[HostRecord], world_size: int) -> None:
+    """Raise unless ``records`` hold each rank of ``0..world_size-1`` exactly once."""
+    ranks = sorted(r.rank for r in records)
+    if ranks != list(range(world_size)):
+        raise RendezvousError(
+            f"the host records gathered at init are for ranks {store_values.shown(ranks)}, not each rank "
+            f"of 0..{world_size - 1} once",
+            fix=store_values.FIX,
+        )
+
+
 def layout(records: Sequence[HostRecord], rank: int) -> Layout:
     """This rank's :class:`Layout` (pure).  Ranks on one host are numbered locally in
-    global-rank order, as every launcher does for block placement."""
+    global-rank order, as every launcher does for block placement.  ``records``: one per
+    rank of the world, ``rank`` among them (:func:`check_records`)."""
+    check_records(records, len(records))
+    if not 0 <= rank < len(records):
+        raise RendezvousError(f"rank {rank} is not a rank of the {len(records)} host records",
+                              fix=store_values.FIX)
     by_rank = sorted(records, key=lambda r: r.rank)
     hosts: dict[str, list[HostRecord]] = {}
     for rec in by_rank:
@@ -193,14 +256,24 @@ def exchange(store: Any, name: str, rank: int, world_size: int, value: str,
             fix=missing_fix(str(shown)) if missing_fix else
             f"start rank(s) {shown} (check the launcher's rank count and their logs), or fix the world size",
         ) from None
-    values = [v.decode() if isinstance(v, bytes) else str(v) for v in _get_all(store, keys)]
+    raw = _get_all(store, keys)
+    if len(raw) != len(keys):
+        raise RendezvousError(f"rank {rank}: the store answered {len(raw)} values for the {len(keys)} keys of "
+                              f"the {what} exchange", fix=store_values.FIX)
+    values = [store_values.text_value(k, v) for k, v in zip(keys, raw)]
     for r, v in enumerate(values):
         if v.startswith(_ERROR) and r != rank:
             raise RendezvousError(
-                f"rank {rank}: rank {r} failed during init: {v[len(_ERROR):]}",
+                f"rank {rank}: rank {r} failed during init: {_peer_error(v[len(_ERROR):])}",
                 fix=f"see rank {r}'s log for the cause; every rank stops with it",
             )
     return values
+
+
+def _peer_error(text: str) -> str:
+    """A peer's published error for a message: one line of printable text, at most 500 characters."""
+    line = "".join(c if c.isprintable() else " " for c in " ".join(text.split()))
+    return line if len(line) <= 500 else line[:497] + "..."
 
 
 def _get_all(store: Any, keys: Sequence[str]) -> list[Any]:
@@ -226,4 +299,6 @@ def gather_hosts(store: Any, name: str, mine: HostRecord, world_size: int,
     """Every rank's :class:`HostRecord`, in rank order (see :func:`exchange`)."""
     values = exchange(store, name, mine.rank, world_size, mine.to_json(), timeout, what="host",
                       missing_fix=missing_fix)
-    return [HostRecord.from_json(v) for v in values]
+    records = [parse_record(_key(name, r), v, r, world_size) for r, v in enumerate(values)]
+    check_records(records, world_size)
+    return records

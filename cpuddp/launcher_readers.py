@@ -405,6 +405,8 @@ class PlainEnvReader(LauncherReader):
 
     def read(self, environ: Mapping[str, str]) -> PartialEnv:
         v = self.variables(environ)
+        if not v.has("RANK") and v.has("LOCAL_RANK"):
+            raise _framework_child(environ)
         fix = "export both RANK and WORLD_SIZE (as Kubeflow PyTorchJob does), or launch with torchrun or mpiexec"
         out = PartialEnv(
             rank=v.int("RANK", fix=fix),
@@ -441,6 +443,21 @@ class PlainEnvReader(LauncherReader):
                 launcher=v.launcher,
                 fix="export MASTER_ADDR=<rank 0's host> (127.0.0.1 when every rank runs on this machine)",
             )
+
+
+def _framework_child(environ: Mapping[str, str]) -> LauncherEnvError:
+    """``WORLD_SIZE`` and ``LOCAL_RANK`` without ``RANK``: how Lightning's ``devices=N``
+    self-launch starts its extra ranks.  A script that calls ``init_distributed()`` before
+    ``Trainer``/``Fabric`` would otherwise form a group Lightning does not know about."""
+    return LauncherEnvError(
+        f"WORLD_SIZE={environ.get('WORLD_SIZE')} and LOCAL_RANK={environ.get('LOCAL_RANK')} are set but RANK is not: "
+        "a framework started this process (Lightning's devices=N self-launch does exactly this) after "
+        "cpuddp.init_distributed() ran in its parent",
+        variable="RANK", value=None, launcher="a framework's own launch (Lightning devices=N?)",
+        fix="with Lightning/Fabric do not call cpuddp.init_distributed() before Trainer/Fabric in a plain `python` "
+        "run: pass strategy=cpuddp.lightning.trainer_strategy() (Fabric: fabric_strategy()), which forms cpuddp's "
+        "group in every rank Lightning starts; or start the ranks with torchrun --nproc-per-node N / mpiexec -n N",
+    )
 
 
 #: The built-in readers, in the order :mod:`cpuddp.launchers` registers them.

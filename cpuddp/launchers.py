@@ -187,7 +187,8 @@ LAUNCHER_ENV_PREFIXES = (
     "PMI_", "PMIX_", "OMPI_", "MV2_", "MPIRUN_", "SLURM_", "MPI_LOCAL", "I_MPI_HYDRA", "HYDRA_",
     "TORCHELASTIC_", "GROUP_", "ROLE_",
 )
-LAUNCHER_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+LAUNCHER_ENV_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                      "CPUDDP_RANK_CPUS", "CPUDDP_RANK_THREADS")  # the last two: cpuddp run's plan for its ranks
 #: Backend settings a job exports (oneCCL's ``CCL_*``, gloo's interface).  ``cpuddp.testing``
 #: strips them too, so one test's world never leaks into the next; ``cpuddp bench --nproc``
 #: keeps them (they are the user's settings for the run it measures).

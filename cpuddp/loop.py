@@ -18,7 +18,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Optional, Union
@@ -31,6 +30,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from . import affinity, preparation
 from .errors import CpuddpError, PrepareError
+from .loop_checkpoint import write_atomically
 from .preparation import prepared_info, unwrap
 from .ranks import group_rank_world as _rank_world
 
@@ -406,22 +406,17 @@ def save_state_dict(model: nn.Module, path: Union[str, os.PathLike], *, group: A
 
     The file is a plain state dict: ``model.load_state_dict(torch.load(path))`` reads it
     without cpuddp.  An error on rank 0 (a full disk, a missing permission) is raised on
-    every rank, so none is left waiting.
+    every rank, so none is left waiting.  A crash or kill at any moment leaves the previous
+    checkpoint or the new one, never a mix; the file is fsynced before the rename and the
+    directory after it, and is readable by this user only (mode 0600).  A failed save removes
+    its temporary file (``.cpuddp-<name>.*.pt``); the next save removes those of saves that
+    were killed (:mod:`cpuddp.loop_checkpoint`).
     """
     path = os.fspath(path)
 
     def write() -> None:
         state = unwrap(model).state_dict()
-        directory = os.path.dirname(os.path.abspath(path))
-        os.makedirs(directory, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".cpuddp-", suffix=".pt", dir=directory)
-        os.close(fd)
-        try:
-            torch.save(state, tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_atomically(path, lambda f: torch.save(state, f))
 
     if _rank_world(group)[1] == 1:
         write()

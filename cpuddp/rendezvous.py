@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import hashlib
 import os
 import socket
 import time
@@ -27,8 +28,13 @@ from typing import Any, NamedTuple, Optional
 from .env import DistEnv
 from .errors import LauncherEnvError, RendezvousError, first_line
 from .launchers import LAUNCHER_NAMES, is_loopback
+from .store_values import job_key_value, shown
 
-__all__ = ["Rendezvous", "open_store", "local_address", "mpi_master_addr", "job_key"]
+__all__ = ["Rendezvous", "open_store", "local_address", "mpi_master_addr", "job_key", "JOB_KEY"]
+
+#: The key under which rank 0's own store names its job (read back with
+#: :func:`cpuddp.store_values.job_key_value`: printable text, at most 1024 characters).
+JOB_KEY = "cpuddp/job"
 
 
 class Rendezvous(NamedTuple):
@@ -53,7 +59,7 @@ def open_store(env: DistEnv, td: datetime.timedelta, environ: Any) -> Rendezvous
     key = job_key(env)
     store = _own_store(env, td) if env.rank == 0 else _connect(env, td)
     if env.rank == 0:
-        store.set("cpuddp/job", key)
+        store.set(JOB_KEY, key)
     else:
         _check_job(env, store, key, td)
     return Rendezvous(dist.PrefixStore(f"cpuddp/{key}", store), store)
@@ -129,17 +135,19 @@ def _own_store(env: DistEnv, td: datetime.timedelta) -> Any:
 def _check_job(env: DistEnv, store: Any, key: str, td: datetime.timedelta) -> None:
     addr, port = env.master_addr, env.master_port
     try:
-        store.wait(["cpuddp/job"], td)
-        theirs = store.get("cpuddp/job").decode()
+        store.wait([JOB_KEY], td)
+        raw = store.get(JOB_KEY)
     except Exception:
         raise RendezvousError(
             f"rank {env.rank} reached a store at {addr}:{port} that is not this job's rank 0 "
             f"(no cpuddp job key within {td.total_seconds():.0f} s)",
             fix="MASTER_PORT is used by another program or job: export a different MASTER_PORT",
         ) from None
+    theirs = job_key_value(f"{JOB_KEY} (at {addr}:{port})", raw)
     if theirs != key:
         raise RendezvousError(
-            f"rank {env.rank} reached the store of another job at {addr}:{port} (its job {theirs!r}, ours {key!r})",
+            f"rank {env.rank} reached the store of another job at {addr}:{port} "
+            f"(its job {shown(theirs)}, ours {key!r})",
             fix="two jobs share MASTER_PORT: export a different MASTER_PORT for one of them, or unset it",
         )
 
@@ -195,7 +203,10 @@ def job_key(env: DistEnv) -> str:
         proxy = _launcher_proxy_pid()
         if proxy is not None:
             job = f"proxy={proxy}@{socket.gethostname()}"
-    return f"{job or 'nojobid'}/w{env.world_size}"
+    key = f"{job or 'nojobid'}/w{env.world_size}"
+    if len(key) > 256 or not key.isprintable():  # what job_key_value accepts, whatever the launcher said
+        key = "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    return key
 
 
 #: Per-node daemons that MPI launchers start the ranks from.

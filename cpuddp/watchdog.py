@@ -60,7 +60,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from .errors import first_line
+from .errors import RendezvousError, first_line
 from .hosts import host_identity, pid_alive
 from .watchdog_store import StoreClient
 from .watchdog_verdict import (
@@ -168,7 +168,7 @@ class _Watchdog:
         self.stale = max(STALE, 2.5 * self.interval)
         self.agent_store = bool(getattr(env, "agent_store", False))
         self.is_store_host = self.rank == 0 and not self.agent_store
-        self.store = StoreClient(store, env.master_addr, env.master_port, OP_TIMEOUT)
+        self.store = StoreClient(store, env.master_addr, env.master_port, OP_TIMEOUT, self.world)
         self.identity = host_identity(("net", "pid"))
         self.stopping = threading.Event()
         self.store_lost: Optional[str] = None
@@ -180,6 +180,7 @@ class _Watchdog:
         self.marked = False
         self.failed_here = False  # an uncaught exception is ending this rank
         self.known: dict[int, PeerInfo] = {}
+        self.malformed: Optional[str] = None  # a watchdog key holds what no rank of this job wrote
 
     def store_reachable(self) -> bool:
         """False once the store is known lost; then no more heartbeats into it (torch would log
@@ -218,10 +219,13 @@ class _Watchdog:
             delay = min(self.interval, 0.25) if quick > 0 and len(self.known) < self.world else self.interval
             try:
                 self.store.beat(self.rank)
-                if len(self.known) < self.world <= 256:
+                if len(self.known) < self.world <= 256 and self.malformed is None:
                     # Learn every rank's pid and host while the store is up, for the message
                     # when the store itself is lost.
                     self.known = self.store.info()
+            except RendezvousError as exc:  # a malformed key: keep beating, say so in the verdict
+                self.malformed = str(exc)
+                log.warning("cpuddp: watchdog: %s", first_line(exc))
             except Exception as exc:
                 if not self.stopping.is_set():
                     self._lose_store(exc)
@@ -342,6 +346,8 @@ class _Watchdog:
                 snap = dataclasses.replace(snap, heartbeats=heartbeats, watched=waited)
             v = decide(snap, comm_failure)
             return v.message if v is not None else None
+        except RendezvousError as exc:  # what was read is malformed: say that, not "the store is gone"
+            return f"cpuddp: [rank{self.rank}] the watchdog cannot name a lost rank: {exc}"
         except Exception as exc:
             # The store died under us: a connect can still succeed while rank 0's sockets close.
             self._lose_store(exc)

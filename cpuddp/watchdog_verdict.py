@@ -7,7 +7,8 @@ measured time), then :func:`decide` turns it into a :class:`Verdict`, the line p
 the traceback.  The order of precedence:
 
 1. a local peer whose process is gone, or a peer whose heartbeat did not move: *lost*
-   ("died without a Python exception" / "no heartbeat from ...");
+   ("died without a Python exception" / "no heartbeat from ...", with :func:`why_silent`: a
+   peer on this machine in another PID namespace is "died or stuck", never "its host is down");
 2. else the first rank in ``failed`` other than this one: it *raised*;
 3. else, for a communication failure, peers that called ``stop`` (``done``): they *left*;
 4. else nothing is known: None.
@@ -26,11 +27,12 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import first_line
+from .hosts import machine_of
 
 __all__ = [
     "PeerInfo", "Snapshot", "Verdict", "VerdictKind", "HeartbeatClock",
     "decide", "ranks_to_watch", "store_gone", "linger_waiting", "local_ranks",
-    "looks_like_comm_failure", "describe",
+    "looks_like_comm_failure", "describe", "why_silent",
 ]
 
 # Words in an exception's text that mark a failure of the group rather than of the user's code.
@@ -117,12 +119,25 @@ def _who(s: Snapshot, r: int) -> str:
     return f"rank {r} (pid {p.pid} on {p.host})" if p is not None else f"rank {r}"
 
 
+def why_silent(identity: str, peer: Optional[PeerInfo]) -> str:
+    """Why a peer's heartbeat may have stopped, from where it runs relative to this rank
+    (``identity``: this rank's ``host_identity(("net", "pid"))``).  A peer on this machine in
+    another PID (or network) namespace -- a container -- is not a lost host: the machine is up,
+    since this rank runs on it, and only its pid cannot be checked from here."""
+    if peer is None:
+        return "its host is down or unreachable, or it is stuck"
+    if peer.identity == identity:  # its pid was checked: alive
+        return "alive but not responding: stopped, or stuck holding the GIL"
+    if machine_of(peer.identity) == machine_of(identity):
+        return ("it runs on this machine in another PID or network namespace (a container), where its pid "
+                "cannot be checked: it died, or it is stuck")
+    return "its host is down or unreachable, or it is stuck"
+
+
 def _lost(s: Snapshot, dead: list[int], stale: list[int]) -> Verdict:
     details = [f"{_who(s, r)} died without a Python exception (killed, a crash, or os._exit)" for r in dead]
     for r in stale:
-        local = r in s.info and s.info[r].identity == s.identity
-        why = ("alive but not responding: stopped, or stuck holding the GIL" if local
-               else "its host is down or unreachable, or it is stuck")
+        why = why_silent(s.identity, s.info.get(r))
         details.append(f"no heartbeat from {_who(s, r)} for {s.watched:.0f} s ({why})")
     ranks = tuple(sorted(dead + stale))
     return Verdict(VerdictKind.LOST, ranks,

@@ -129,10 +129,18 @@ def test_ccl_workers_reserved() -> None:
 
 
 def test_ccl_workers_not_reserved_when_no_core_left() -> None:
+    """Issue 23: the default of 1 worker with 1 core per rank is no warning (0 is refused by
+    oneCCL, so there is nothing to suggest); a user's count above 1 warns with a value that fits."""
     ps = plans(synthetic_topology(1, 2), 2, ccl_workers=1)
     assert [p.cpus for p in ps] == [(0,), (1,)]
     assert all(p.ccl_worker_cpus == () and "CCL_WORKER_AFFINITY" not in p.env for p in ps)
-    assert ps[0].warnings[0].code == "ccl-workers-unreserved" and "CCL_WORKER_COUNT=1" in str(ps[0].warnings[0])
+    assert all(p.warnings == () for p in ps)
+    ps = plans(synthetic_topology(1, 2), 2, ccl_workers=3)
+    w = ps[0].warnings[0]
+    assert w.code == "ccl-workers-unreserved" and "CCL_WORKER_COUNT=3" in w.message
+    assert w.fix.startswith("CCL_WORKER_COUNT=1 (oneCCL's default; it refuses 0)") and "=0" not in w.fix
+    ps = plans(synthetic_topology(1, 4), 1, ccl_workers=4)  # 4 cores, 4 workers: 3 would leave one
+    assert ps[0].warnings[0].fix.startswith("CCL_WORKER_COUNT=3,")
 
 
 def test_more_ranks_than_cores_warns_and_shares() -> None:

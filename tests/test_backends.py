@@ -225,11 +225,14 @@ def test_a_broken_plugin_check_does_not_hide_the_others(registry):
 
 
 def test_auto_picks_ccl_when_it_matches():
-    choice = resolve_backend(
-        "auto", _env(), metadata={"torch": "2.8.0", "oneccl_bind_pt": "2.8.0"}, find_module={"oneccl_bindings_for_pytorch"}
-    )
+    """Between nodes with one rank each (no shared memory): oneCCL.  On one node: gloo (oneCCL
+    measured slower there; tests/test_backend_auto.py has the whole rule)."""
+    md, mods = {"torch": "2.8.0", "oneccl_bind_pt": "2.8.0"}, {"oneccl_bindings_for_pytorch"}
+    choice = resolve_backend("auto", _env(world_size=2, num_nodes=2), metadata=md, find_module=mods)
     assert (choice.name, choice.module, choice.requested) == ("ccl", "oneccl_bindings_for_pytorch", "auto")
     assert "2.8.0" in choice.reason and choice.verified
+    one_node = resolve_backend("auto", _env(), metadata=md, find_module=mods)
+    assert one_node.name == "gloo" and "rather than the working oneCCL" in one_node.reason
 
 
 @pytest.mark.parametrize(
@@ -566,14 +569,30 @@ CCL_SCRIPT = """
 """
 
 
-@pytest.mark.timeout(SUBPROCESS_TIMEOUT + 30)
-def test_auto_uses_matching_bindings_end_to_end(tmp_path):
+def _matching_site(tmp_path: Path) -> Path:
     import torch
     from packaging.version import Version
 
     rel = Version(torch.__version__).release
-    site = fake_site(tmp_path / "site", f"{rel[0]}.{rel[1]}.0")
-    runs = _run_ranks(CCL_SCRIPT, 2, tmp_path, FAKE_SITE=str(site))
+    return fake_site(tmp_path / "site", f"{rel[0]}.{rel[1]}.0")
+
+
+@pytest.mark.timeout(SUBPROCESS_TIMEOUT + 30)
+def test_auto_prefers_shm_to_working_bindings_on_one_node(tmp_path):
+    """Issue 23: with working oneCCL bindings, one node's auto is shm (ccl measured 19x slower
+    at 1 MiB), and init logs the rule's reason."""
+    runs = _run_ranks(CCL_SCRIPT, 2, tmp_path, FAKE_SITE=str(_matching_site(tmp_path)))
+    for code, data, log in runs:
+        assert code == 0, log
+        assert data["backend"] == "shm" and data["sum"] == [3.0] * 4
+        assert not any(k.startswith("CCL_") for k in data["env"])
+    assert "backend shm (auto: within a node shared memory" in runs[0][2]
+    assert "preferred to the working oneCCL" in runs[0][2]
+
+
+@pytest.mark.timeout(SUBPROCESS_TIMEOUT + 30)
+def test_matching_bindings_end_to_end(tmp_path):
+    runs = _run_ranks(CCL_SCRIPT, 2, tmp_path, FAKE_SITE=str(_matching_site(tmp_path)), BACKEND="ccl")
     for rank, (code, data, log) in enumerate(runs):
         assert code == 0, log
         assert data["backend"] == "ccl" and data["sum"] == [3.0] * 4

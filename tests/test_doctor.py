@@ -6,6 +6,7 @@ The command-line runs (text, --json, a fake launcher environment, timing) are in
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -255,3 +256,34 @@ def test_version_mismatch_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     mism = [w for w in report["warnings"] if w["code"] == "version-mismatch"]
     assert len(mism) == 2 and "built for torch 2.8" in mism[0]["message"]
     assert "MISMATCH" in format_text(report)
+
+
+@pytest.mark.timeout(120)
+def test_doctor_auto_is_inits_rule_with_and_without_torch() -> None:
+    """Issue 20 item 7: under a launcher with 2 ranks on this node, doctor's auto is the one
+    init_distributed picks (the same function), with and without --torch, and the light path
+    stays torch-free and under a second."""
+    from cpuddp.backends import resolve_backend
+    from cpuddp.hosts import allowed_cpus
+    from cpuddp.launchers import detect
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CPUDDP_", "CCL_"))}
+    env.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT="29500", TORCHELASTIC_RUN_ID="x", GROUP_RANK="0")
+    expected = resolve_backend("auto", detect(env), environ=env, node_cpus=len(allowed_cpus()))
+    seen = []
+    for extra in ([], ["--torch"]):
+        r = subprocess.run([sys.executable, "-m", "cpuddp", "doctor", "--json", *extra], cwd=REPO, env=env,
+                           capture_output=True, text=True, timeout=100)
+        assert r.returncode == 0, r.stderr
+        data = json.loads(r.stdout)
+        auto = data["backends"]["auto"]
+        seen.append((auto["name"], auto["inter"]))
+        if not extra:
+            assert data["elapsed_s"] < 1.0, data["elapsed_s"]
+        assert data["pinning"]["backend"] == auto["name"]  # the pinning plan is for that backend too
+    assert seen == [(expected.name, expected.inter)] * 2
+    import platform
+
+    if platform.machine() == "x86_64" and len(allowed_cpus()) >= 2:
+        assert expected.name == "shm"

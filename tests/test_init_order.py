@@ -52,13 +52,13 @@ def test_compute_pinned_and_communication_threads_left_on_the_process_cpus(run_d
 def test_shutdown_restores_what_init_exported(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("KMP_BLOCKTIME", raising=False)
-    environ = {"UNRELATED": "1"}
+    environ = {"UNRELATED": "1", "RANK": "0", "WORLD_SIZE": "1"}
     cpuddp.init_distributed(environ=environ, pin=True)
     try:
-        assert environ["RANK"] == "0" and os.environ["KMP_BLOCKTIME"] == "1"
+        assert environ["LOCAL_RANK"] == "0" and os.environ["KMP_BLOCKTIME"] == "1"
     finally:
         cpuddp.shutdown()
-    assert environ == {"UNRELATED": "1"}
+    assert environ == {"UNRELATED": "1", "RANK": "0", "WORLD_SIZE": "1"}
     assert "KMP_BLOCKTIME" not in os.environ and "OMP_NUM_THREADS" not in os.environ
     cpuddp.init_distributed(environ=environ, pin=False)  # and a second init starts clean
     cpuddp.shutdown()

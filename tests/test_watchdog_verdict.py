@@ -10,10 +10,12 @@ import dataclasses
 
 import pytest
 
-from cpuddp.watchdog_store import parse_failed, parse_info, parse_ranks
+from cpuddp.errors import RendezvousError
+from cpuddp.hosts import host_identity, machine_of
+from cpuddp.watchdog_store import parse_counter, parse_failed, parse_info, parse_ranks
 from cpuddp.watchdog_verdict import (
     HeartbeatClock, PeerInfo, Snapshot, VerdictKind, decide, describe, linger_waiting, local_ranks,
-    looks_like_comm_failure, ranks_to_watch, store_gone,
+    looks_like_comm_failure, ranks_to_watch, store_gone, why_silent,
 )
 
 HERE, THERE = "node7|boot1|net1|pid1", "node9|boot2|net2|pid2"
@@ -129,9 +131,90 @@ def test_heartbeat_clock():
 
 
 def test_key_protocol_parsers():
-    assert parse_ranks("0\n2\tx\nbad\n") == {0, 2}
-    assert parse_failed("1\tValueError: a\n0\tKeyError: b\nx\ty\n") == ((1, "ValueError: a"), (0, "KeyError: b"))
-    assert parse_info("0\t100\tnode7\tid0\n1\tnope\tn\ti\n2\t5\tshort\n") == {0: PeerInfo(100, "node7", "id0")}
+    assert parse_ranks("0\n2\n", "k", 3) == {0, 2}
+    assert parse_failed("1\tValueError: a\n0\tKeyError: b\n", "k", 3) == ((1, "ValueError: a"), (0, "KeyError: b"))
+    assert parse_failed("1\tValueError: \x1b[31mred\n", "k", 2) == ((1, "ValueError:  [31mred"),)  # no escapes
+    assert parse_info("0\t100\tnode7\tid0\n1\t101\tnode7\tid0\n", "k", 2) == {
+        0: PeerInfo(100, "node7", "id0"), 1: PeerInfo(101, "node7", "id0")}
+    assert parse_info("0\t100\tn\ti\n0\t100\tn\ti\n", "k", 1) == {0: PeerInfo(100, "n", "i")}  # a restart
+    assert parse_ranks("", "k", 2) == set() and parse_info("", "k", 2) == {}
+
+
+# Everything a rank of the job would never write is an error naming the key (tests/test_store_validation.py
+# holds the tables for the other store keys).
+@pytest.mark.parametrize("parser, text, what", [
+    (parse_ranks, "bad\n", "its rank 'bad' is not a whole number"),
+    (parse_ranks, "3\n", "its rank 3 is outside 0..2"),
+    (parse_ranks, "-1\n", "is not a whole number"),
+    (parse_failed, "x\ty\n", "its rank 'x' is not a whole number"),
+    (parse_failed, "1\n", "not rank<TAB>description"),
+    (parse_failed, "1\t" + "x" * 1001 + "\n", "not rank<TAB>description"),
+    (parse_failed, "7\tValueError: a\n", "its rank 7 is outside 0..2"),
+    (parse_info, "0\t100\tnode7\n", "a line of 3 tab-separated fields, not 4"),
+    (parse_info, "1\tnope\tn\ti\n", "its pid 'nope' is not a whole number"),
+    (parse_info, "1\t0\tn\ti\n", "its pid 0 is outside 1..4194303"),
+    (parse_info, "1\t99999999\tn\ti\n", "its pid 99999999 is outside"),
+    (parse_info, "5\t10\tn\ti\n", "its rank 5 is outside 0..2"),
+    (parse_info, "1\t10\t\ti\n", "its hostname is not printable text"),
+    (parse_info, "1\t10\tn\t" + "i" * 5000 + "\n", "its host identity is not printable text"),
+    (parse_info, "1\t10\tn\ti\n1\t11\tn\ti\n", "rank 1 announced twice"),
+])
+def test_key_protocol_parsers_refuse_what_no_rank_writes(parser, text, what):
+    with pytest.raises(RendezvousError) as info:
+        parser(text, "cpuddp/watchdog/0/key", 3)
+    msg = str(info.value)
+    assert msg.startswith("store key cpuddp/watchdog/0/key holds ") and what in msg, msg
+    assert "docs/security.md" in info.value.fix
+
+
+@pytest.mark.parametrize("raw, expected", [(b"12", 12), (b"", 0), (7, 7)])
+def test_heartbeat_counter(raw, expected):
+    assert parse_counter("hb/1", raw) == expected
+
+
+@pytest.mark.parametrize("raw, what", [(b"abc", "is not a whole number"), (b"-3", "is not a whole number"),
+                                       (b"1" * 40, "more than the 32 allowed"), (b"\xff", "not UTF-8")])
+def test_heartbeat_counter_refuses(raw, what):
+    with pytest.raises(RendezvousError, match=what):
+        parse_counter("cpuddp/watchdog/0/hb/1", raw)
+
+
+# A peer on this machine in another PID namespace (a container with --ipc=host --network=host)
+# whose heartbeat stopped: the machine is up (this rank runs on it), only its pid is out of sight.
+CONTAINER = "node7|boot1|net1|pid9"  # same boot id and netns as HERE, another PID namespace
+OTHER_UTS = "box3|boot1|net5|pid8"  # a container with its own hostname and network, same kernel
+
+
+@pytest.mark.parametrize("identity, why", [
+    (HERE, "alive but not responding: stopped, or stuck holding the GIL"),
+    (CONTAINER, "it runs on this machine in another PID or network namespace (a container), where its pid "
+                "cannot be checked: it died, or it is stuck"),
+    (OTHER_UTS, "it runs on this machine in another PID or network namespace"),
+    (THERE, "its host is down or unreachable, or it is stuck"),
+    ("node7||net1|pid9", "its host is down or unreachable"),  # no boot id here, another there: not known same
+])
+def test_why_silent(identity, why):
+    assert why_silent(HERE, PeerInfo(5, "node7", identity)).startswith(why)
+
+
+def test_a_silent_peer_in_another_pid_namespace_is_not_a_lost_host():
+    info = {0: PeerInfo(100, "node7", HERE), 1: PeerInfo(7, "node7", CONTAINER)}
+    s = Snapshot(rank=0, world=2, identity=HERE, info=info)
+    assert local_ranks(info, HERE, 0) == []  # its pid means nothing here: never checked
+    assert ranks_to_watch(s, comm_failure=True) == [1]
+    v = decide(dataclasses.replace(s, heartbeats={1: (4, 4)}, watched=3.2), comm_failure=True)
+    assert v.kind is VerdictKind.LOST and v.ranks == (1,)
+    assert "host is down" not in v.message
+    assert v.message.endswith("no heartbeat from rank 1 (pid 7 on node7) for 3 s (it runs on this machine in another "
+                              "PID or network namespace (a container), where its pid cannot be checked: it died, "
+                              "or it is stuck)")
+    # a "gone" pid of that peer is never taken as its death (the pid is another namespace's)
+    assert decide(dataclasses.replace(s, exited=frozenset({1})), comm_failure=False) is None
+
+
+def test_machine_of():
+    assert machine_of("node7|boot1|net1|pid1") == machine_of("other|boot1|net2|pid2") == "boot:boot1"
+    assert machine_of("node7||net1") == "host:node7" and machine_of("node7") == "host:node7"
 
 
 @pytest.mark.parametrize(
@@ -154,3 +237,9 @@ def test_describe_is_one_short_line():
     assert describe(ValueError, ValueError("bad\tbatch\nsecond line")) == "ValueError: bad batch"
     assert describe(KeyboardInterrupt, None) == "KeyboardInterrupt"
     assert len(describe(ValueError, ValueError("x" * 500))) == 200
+
+
+def test_host_identity_has_a_field_per_part():
+    fields = host_identity(("net", "pid")).split("|")
+    assert len(fields) == 4 and fields[0]
+    assert machine_of(host_identity()) == machine_of(host_identity(("net", "pid")))

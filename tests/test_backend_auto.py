@@ -1,0 +1,146 @@
+"""The auto rule (issue 23 item 2, issue 20 item 7): one pure function over (node layout,
+backends that work, device); resolve_backend, backend_env and doctor all go through it."""
+
+from __future__ import annotations
+
+import pytest
+
+from cpuddp import shm_check
+from cpuddp.backend_auto import RULE, AutoFacts, auto_rule
+from cpuddp.backend_env import backend_env, shm_env
+from cpuddp.backend_types import BackendChoice
+from cpuddp.backends import resolve_backend
+from cpuddp.env import DistEnv
+
+GIB = 1 << 30
+CCL_OK = "oneccl_bind_pt 2.13.0 matches torch 2.13.0"
+
+
+def _facts(local: int, nodes: int, cpus: int, ccl: bool, device: str = "cpu", nccl: bool = False,
+           environ: dict | None = None) -> AutoFacts:
+    """The facts as resolve_backend gathers them: shm's verdict from shm_check.eligibility."""
+    shm_ok, shm_why = shm_check.eligibility(local, environ or {}, machine="x86_64",
+                                            free_bytes=lambda: 64 * GIB, node_cpus=cpus)
+    return AutoFacts(local, nodes, shm_ok, shm_why, ccl, CCL_OK if ccl else "oneccl_bind_pt is not installed",
+                     device, nccl, "nccl ok" if nccl else "no CUDA device")
+
+
+# (ranks per node, nodes, node CPUs, ccl works, device) -> (backend, node-to-node leg)
+CASES = [
+    ((2, 1, 2, False, "cpu"), ("shm", None)),   # one node: shared memory
+    ((2, 1, 2, True, "cpu"), ("shm", None)),    # ... even with working oneCCL (19x slower at 1 MiB)
+    ((4, 1, 2, False, "cpu"), ("gloo", None)),  # oversubscribed: shm waits would steal CPUs
+    ((4, 1, 2, True, "cpu"), ("gloo", None)),   # ... even with oneCCL: slower than gloo on one node
+    ((1, 1, 8, True, "cpu"), ("gloo", None)),
+    ((1, 1, 8, False, "cpu"), ("gloo", None)),  # a world of one
+    ((2, 2, 2, False, "cpu"), ("shm", "gloo")),  # hierarchical: gloo between nodes
+    ((2, 4, 8, True, "cpu"), ("shm", "ccl")),    # hierarchical: oneCCL between nodes
+    ((1, 4, 8, True, "cpu"), ("ccl", None)),     # one rank per node: all of it is node-to-node
+    ((1, 4, 8, False, "cpu"), ("gloo", None)),
+    ((2, 2, 2, True, "cuda"), ("gloo", None)),  # CUDA without nccl
+    ((2, 1, 2, False, "cuda"), ("gloo", None)),
+]
+
+
+@pytest.mark.parametrize("layout,expected", CASES, ids=[f"{c[0]}" for c in CASES])
+def test_rule_over_layouts_and_working_backends(layout, expected):
+    local, nodes, cpus, ccl, device = layout
+    d = auto_rule(_facts(local, nodes, cpus, ccl, device))
+    assert (d.backend, d.inter) == expected
+    assert d.reason  # every decision says why
+
+
+def test_cuda_with_nccl_takes_nccl():
+    assert auto_rule(_facts(2, 2, 8, True, "cuda", nccl=True)).backend == "nccl"
+
+
+def test_reasons_name_the_facts():
+    d = auto_rule(_facts(2, 1, 2, True))
+    assert "preferred to the working oneCCL" in d.reason and "ccl 6.99 ms" in d.reason
+    d = auto_rule(_facts(2, 3, 4, False))
+    assert "between the 3 nodes gloo" in d.reason and "oneccl_bind_pt is not installed" in d.reason
+    d = auto_rule(_facts(4, 1, 2, False))
+    assert d.reason.startswith("no shared memory (4 local ranks share 2 CPU(s)")
+
+
+def test_opt_out_is_honoured():
+    d = auto_rule(_facts(2, 2, 8, True, environ={"CPUDDP_SHM": "0"}))
+    assert (d.backend, d.inter) == ("ccl", None) and "CPUDDP_SHM=0" in d.reason
+    d = auto_rule(_facts(2, 1, 8, True, environ={"CPUDDP_SHM": "0"}))
+    assert (d.backend, d.inter) == ("gloo", None) and "rather than the working oneCCL" in d.reason
+
+
+def test_rule_sentence_names_every_path():
+    for word in ("shm", "oneCCL", "gloo", "nccl", "between nodes"):
+        assert word in RULE
+
+
+# --------------------------------------------------------------------------- through resolve_backend
+
+
+def _env(local: int, nodes: int) -> DistEnv:
+    return DistEnv(rank=0, world_size=local * nodes, local_world_size=local, num_nodes=nodes, launcher="torchrun")
+
+
+@pytest.mark.skipif(shm_check.eligibility(2, {}, node_cpus=2)[0] is False, reason="shm not eligible on this machine")
+@pytest.mark.parametrize("ccl,leg", [(False, "gloo"), (True, "ccl")])
+def test_resolve_backend_sets_the_leg(ccl, leg):
+    md = {"torch": "2.13.0", **({"oneccl_bind_pt": "2.13.0"} if ccl else {})}
+    mods = {"oneccl_bindings_for_pytorch"} if ccl else set()
+    choice = resolve_backend("auto", _env(2, 2), metadata=md, find_module=mods, environ={}, node_cpus=2)
+    assert (choice.name, choice.inter) == ("shm", leg)
+    named = resolve_backend("shm", _env(2, 2), metadata=md, find_module=mods, environ={})
+    assert named.inter == leg  # a named shm group takes the same leg
+    assert resolve_backend("ccl", _env(2, 2), metadata=md, find_module=mods, environ={}).name == "ccl" if ccl else True
+
+
+def test_doctor_light_path_agrees_with_init():
+    """probe_torch=False (doctor without --torch) decides exactly as init does."""
+    md = {"torch": "2.13.0"}
+    for local, nodes in ((2, 1), (1, 2), (2, 2)):
+        a = resolve_backend("auto", _env(local, nodes), metadata=md, find_module=set(), environ={}, node_cpus=2)
+        b = resolve_backend("auto", _env(local, nodes), metadata=md, find_module=set(), environ={}, node_cpus=2,
+                            probe_torch=False)
+        assert (a.name, a.inter, a.reason) == (b.name, b.inter, b.reason)
+
+
+# --------------------------------------------------------------------------- CPUDDP_SHM_INTER
+
+
+def test_backend_env_exports_the_leg_unless_the_user_set_it(caplog):
+    choice = BackendChoice("shm", "auto", "cpuddp.shm", inter="ccl")
+    assert shm_env(choice, {}) == {"CPUDDP_SHM_INTER": "ccl"}
+    with caplog.at_level("INFO", logger="cpuddp.backends"):
+        assert shm_env(choice, {"CPUDDP_SHM_INTER": "gloo"}) == {}
+    assert "CPUDDP_SHM_INTER=gloo is your setting and is kept" in caplog.text
+    assert shm_env(BackendChoice("shm", "auto", "cpuddp.shm"), {}) == {}  # one node: no leg
+    env = _env(2, 2)
+    out = backend_env(env, choice, None, {"GLOO_SOCKET_IFNAME": "eth0"})
+    assert out == {"CPUDDP_SHM_INTER": "ccl"}
+    assert "CPUDDP_SHM_INTER" not in backend_env(env, "shm", None, {"GLOO_SOCKET_IFNAME": "eth0"})
+
+
+def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes(monkeypatch):
+    """Bindings on some nodes only: every rank takes shm with gloo between nodes (not a hang)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from cpuddp import backends
+    from cpuddp.distributed import _agree_backend
+
+    def pick(requested, env, **kw):
+        return BackendChoice("shm", "auto: test", "cpuddp.shm", "auto", inter="ccl")
+
+    monkeypatch.setattr(backends, "resolve_backend", pick)
+    td = datetime.timedelta(seconds=5)
+    env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=1, num_nodes=2)
+    store = dist.HashStore()
+    store.set("b/1", "shm")
+    store.set("b/inter/1", "gloo")  # rank 1's node has no working bindings
+    choice = _agree_backend("auto", env, store, "b", td, {})
+    assert (choice.name, choice.inter) == ("shm", "gloo") and "not every rank has working oneCCL" in choice.reason
+    store = dist.HashStore()
+    store.set("c/1", "shm")
+    store.set("c/inter/1", "ccl")
+    assert _agree_backend("auto", env, store, "c", td, {}).inter == "ccl"
