@@ -3,7 +3,8 @@
 # so no numpy, matplotlib, transformers, mpi4py, IPEX or pytest.
 #   bash .ci/minimal.sh install   # fresh venv "$CI_WORK/minimal": pip install torch==2.13.0 && pip install .
 #   bash .ci/minimal.sh test      # README's main command, then the minimal-install subset (tests/minimal/)
-# The subset: 2-rank init + prepare + DDP steps under torchrun, `cpuddp bench allreduce --nproc 2`
+# The subset: README's `cpuddp run` line, 2-rank init + prepare + DDP steps under torchrun,
+# `cpuddp bench allreduce --nproc 2`
 # (no plot), `cpuddp doctor`, `cpuddp.testing.run_distributed`.  A command that fails, or any
 # output naming ImportError/ModuleNotFoundError (even one a command caught), fails the job.
 # Measured on the project's 2-vCPU machine (AMD EPYC): install 109 s (in the background, beside
@@ -62,6 +63,15 @@ r = json.load(open(sys.argv[1]))
 if not r["accuracy"] >= 0.90:
     sys.exit(f"README promises held-out accuracy >= 0.90; this run got {r['accuracy']:.3f}")
 print(f"accuracy {r['accuracy']:.3f}, {r['wall_seconds']:.0f} s in the script, precision {r['precision']}")
+PY
+    # README's way to launch, `cpuddp run`, on the same bare install
+    run cpuddp_run cpuddp run --ranks-per-node 2 examples/finetune.py --bf16 --result-json "$LOGS/run.json"
+    python - "$LOGS/run.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+if not r["accuracy"] >= 0.90:
+    sys.exit(f"cpuddp run: README promises held-out accuracy >= 0.90; this run got {r['accuracy']:.3f}")
+print(f"cpuddp run: accuracy {r['accuracy']:.3f}, {r['wall_seconds']:.0f} s in the script")
 PY
     run train_two_ranks python -m torch.distributed.run --nproc-per-node 2 tests/minimal/train_two_ranks.py
     run bench cpuddp bench allreduce --nproc 2 -b 1K -e 1M --timeout 120

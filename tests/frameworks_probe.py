@@ -25,6 +25,9 @@ def _cpuddp_probe() -> None:
     def on_step(optimizer, args, kwargs):
         if params:
             return
+        record(optimizer)
+
+    def record(optimizer):
         params.extend(p for g in optimizer.param_groups for p in g["params"])
         session = cpuddp.get_session()
         rec.update(
@@ -46,6 +49,17 @@ def _cpuddp_probe() -> None:
 
     register_optimizer_step_pre_hook(on_step)
     atexit.register(dump)
+
+    # IPEX's fused optimizer step (torch 2.8 + IPEX) bypasses the step hooks: record at prepare()
+    prepare = cpuddp.prepare
+
+    def recording_prepare(model, optimizer=None, *args, **kwargs):
+        out = prepare(model, optimizer, *args, **kwargs)
+        if optimizer is not None and not params:
+            record(optimizer)
+        return out
+
+    cpuddp.prepare = recording_prepare
 
 
 _cpuddp_probe()

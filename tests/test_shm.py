@@ -211,30 +211,9 @@ def test_four_ranks_reduce_scatter_all_gather_exact_and_identical():
 
 def _launch(n: int, mode: str, tmp_path: Path, *, timeout: float = 90, env: dict | None = None) -> list[dict]:
     """Start tests/scripts/shm_ranks.py as ``n`` plain torch.distributed ranks; their JSON reports."""
-    from failure_scripts.procs import free_port  # plain torch env:// ranks need a MASTER_PORT
-    from cpuddp.testing import clean_environ
+    from shm_util import launch_ranks
 
-    port = free_port()
-    procs = []
-    for r in range(n):
-        e = clean_environ(os.environ)
-        e.update(RANK=str(r), WORLD_SIZE=str(n), LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(n),
-                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                 OMP_NUM_THREADS="1", **(env or {}))
-        procs.append(subprocess.Popen([sys.executable, str(SCRIPT), mode, str(tmp_path)], env=e,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    reports = []
-    for r, out in enumerate(outs):
-        path = tmp_path / f"rank{r}.json"
-        reports.append(json.loads(path.read_text()) if path.exists() else {"output": out[-3000:]})
-    return reports
+    return launch_ranks(SCRIPT, n, mode, tmp_path, timeout=timeout, env=env)
 
 
 @pytest.mark.slow

@@ -215,30 +215,10 @@ def test_a_peer_that_left_the_group_and_lives_on_is_an_error_in_seconds():
 
 
 def _launch(mode: str, tmp_path: Path, *, prefix1: tuple = (), timeout: float = 90) -> list[dict]:
-    """Start tests/scripts/shm_faults.py as 2 plain torch.distributed ranks; their JSON reports."""
-    from failure_scripts.procs import free_port
-    from cpuddp.testing import clean_environ
+    """tests/scripts/shm_faults.py as 2 plain torch.distributed ranks; their JSON reports."""
+    from shm_util import launch_ranks
 
-    port = free_port()
-    procs = []
-    for r in range(2):
-        e = clean_environ(os.environ)
-        e.update(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                 MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-        cmd = [*(prefix1 if r == 1 else ()), sys.executable, str(SCRIPTS / "shm_faults.py"), mode, str(tmp_path)]
-        procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    reports = []
-    for r, out in enumerate(outs):
-        path = tmp_path / f"rank{r}.json"
-        reports.append(json.loads(path.read_text()) if path.exists() else {"output": out[-3000:]})
-    return reports
+    return launch_ranks(SCRIPTS / "shm_faults.py", 2, mode, tmp_path, timeout=timeout, prefix=((), prefix1))
 
 
 def _unshare_pid() -> tuple:
