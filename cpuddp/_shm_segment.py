@@ -269,7 +269,7 @@ def _check_cred(conn: socket.socket, expected_pid: Optional[int], who: str) -> N
                            fix="see docs/security.md (something else writes to this job's store)")
 
 
-def parse_offer(raw: bytes, key: str, local_size: int) -> Tuple[str, int, int]:
+def parse_offer(raw: bytes, key: str) -> Tuple[str, int, int]:
     """Local rank 0's offer under ``key``: ``sock<TAB>name<TAB>token<TAB>slot``, checked."""
     text = raw.decode(errors="replace")
     if text.startswith("error\t"):
@@ -406,7 +406,7 @@ def _attach(store: Any, key: str, plan: NodePlan, deadline: float) -> Segment:
     waiter = _Waiter(store, deadline, "waiting for local rank 0's shared-memory segment")
     raw = waiter.get(key, lambda: None if pid0 is None or pid_alive(pid0)
                      else f"local rank 0 (rank {rank0}, pid {pid0}) died")
-    name, token, slot = parse_offer(raw, key, plan.local_size)
+    name, token, slot = parse_offer(raw, key)
     fd = _fetch(name, token, plan, slot, deadline)
     try:
         seg = Segment(fd, plan.local_rank, plan.local_size, slot)

@@ -78,7 +78,7 @@ from . import shm_check
 from ._shm_segment import STATE_LEFT, C_STATE, map_segment, parse_who, plan_node, whoami
 from .errors import BackendError
 from .shm_agree import Call, encode
-from .shm_path import REDUCE, SUPPORTED_DTYPES, DataPath
+from .shm_path import SUPPORTED_DTYPES, DataPath
 
 __all__ = ["NAME", "ShmProcessGroup", "register", "eligibility", "SUPPORTED_DTYPES", "INTER_VAR"]
 
@@ -411,12 +411,11 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     # ------------------------------------------------------------------ teardown
 
-    def leave(self, why: str = "it left the group") -> None:
+    def leave(self) -> None:
         """Mark this rank as gone from the group (peers waiting for it stop at once), join the thread."""
         stream, self._stream = self._stream, None
         if self._path is not None:
             self._path.seg.lines[self._path.local_rank][C_STATE] = STATE_LEFT
-            self._path.left = why
         if stream is not None:
             stream.close()
 
@@ -428,7 +427,7 @@ class ShmProcessGroup(dist.ProcessGroup):
             log.debug("cpuddp.shm: gloo shutdown raised: %s", exc)
 
     def abort(self) -> None:
-        self.leave("it aborted")
+        self.leave()
         try:
             super().abort()
         except Exception as exc:  # noqa: BLE001

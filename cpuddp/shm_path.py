@@ -82,7 +82,6 @@ class DataPath:
         self.epoch = 0
         self.calls = 0
         self.broken: Optional[str] = None
-        self.left: Optional[str] = None
         self._unchecked: Optional[Tuple[int, Call]] = None  # posted, not yet compared
         self._comm_thread: Optional[int] = None
 

@@ -190,8 +190,6 @@ def _peer_left():
     import torch
     import torch.distributed as dist
 
-    import cpuddp
-
     rank = dist.get_rank()
     x = torch.ones(10)
     dist.all_reduce(x)
@@ -358,7 +356,7 @@ def _in_flight():
     import torch
     import torch.distributed as dist
 
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     # one thread, 40 queued 1 MiB allreduces, waited at the end
     ts = [torch.full((1 << 18,), float(rank + i)) for i in range(40)]
     works = [dist.all_reduce(t, async_op=True) for t in ts]
