@@ -6,7 +6,7 @@ Usage (from the repository root)::
                                                     # writes benchmarks/results/allreduce_gloo_2ranks.*
     python benchmarks/allreduce.py -- -n 50         # anything after -- goes to `cpuddp bench`
 
-It is a thin wrapper over ``cpuddp bench allreduce`` (see cpuddp/bench.py); the same runs
+It is a thin wrapper over ``cpuddp bench allreduce`` (see cpuddp/bench/cli.py); the same runs
 can be typed by hand, and the exact commands are printed first.
 """
 
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=RESULTS, help="directory for the results (default benchmarks/results)")
     args = p.parse_args(argv)
 
-    from cpuddp import bench
+    from cpuddp.bench import cli as bench
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"allreduce_gloo_{args.nproc}ranks"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cpuddp.bench import format_size  # noqa: E402
+from cpuddp._units import format_size  # noqa: E402
 
 
 def table(result: dict) -> str:

@@ -9,8 +9,9 @@ oneCCL bindings, mpi4py, transformers, py-cpuinfo).  Each public name is loaded 
 module on first use.
 
 The top level holds what a training script uses (README.md, "Public API"); introspection
-and extension details stay in their submodules (``cpuddp.backends``, ``cpuddp.launchers``,
-``cpuddp.topology``, ``cpuddp.affinity``).  ``_EXPORTS`` below is the one list: ``__all__``
+and extension details stay in their public subpackages (``cpuddp.backends``, ``cpuddp.launchers``,
+``cpuddp.topology``, ``cpuddp.affinity``, ``cpuddp.shm``, ``cpuddp.testing``, ``cpuddp.lightning``).
+How the package is laid out, and which area may import which: docs/code.md.  ``_EXPORTS`` below is the one list: ``__all__``
 is built from it, and tests/test_api.py pins it, the TYPE_CHECKING imports and the
 deprecated aliases together.
 """
@@ -21,14 +22,14 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 # public name -> module that defines it
 _EXPORTS = {
     # env / launchers
-    "DistEnv": "env",
-    "detect": "launchers",
-    "register_launcher": "launchers",
+    "DistEnv": "launchers.env",
+    "detect": "launchers.registry",
+    "register_launcher": "launchers.registry",
     # distributed
     "init_distributed": "distributed",
     "shutdown": "distributed",
@@ -44,26 +45,26 @@ _EXPORTS = {
     "print0": "ranks",
     "log0": "ranks",
     # prepare and the loop helpers
-    "prepare": "preparation",
-    "PrepareInfo": "preparation",
-    "prepared_info": "preparation",
-    "unwrap": "preparation",
-    "shard": "loop",
-    "ShardedLoader": "loop",
-    "autocast_for": "loop",
-    "reduce_mean": "loop",
-    "is_main_process": "loop",
-    "barrier": "loop",
-    "save_state_dict": "loop",
-    "load_state_dict": "loop",
-    "Progress": "progress",
-    "ProgressSummary": "progress",
+    "prepare": "train.prepare",
+    "PrepareInfo": "train.prepare",
+    "prepared_info": "train.prepare",
+    "unwrap": "train.prepare",
+    "shard": "train.loop",
+    "ShardedLoader": "train.loop",
+    "autocast_for": "train.loop",
+    "reduce_mean": "train.loop",
+    "is_main_process": "train.loop",
+    "barrier": "train.loop",
+    "save_state_dict": "train.loop",
+    "load_state_dict": "train.loop",
+    "Progress": "train.progress",
+    "ProgressSummary": "train.progress",
     # backends
-    "available_backends": "backends",
-    "register_backend": "backends",
+    "available_backends": "backends.registry",
+    "register_backend": "backends.registry",
     # pinning
-    "PinPlan": "affinity",
-    "pinned": "affinity",
+    "PinPlan": "affinity.plan",
+    "pinned": "affinity.pin",
     # errors
     "CpuddpError": "errors",
     "LauncherEnvError": "errors",
@@ -86,7 +87,7 @@ _DEPRECATED = {
     "cpu_features": ("topology", "cpu_features"),
     "plan_for": ("affinity", "plan_for"),
     "current_plan": ("affinity", "current_plan"),
-    "autocast": ("loop", "autocast_for"),
+    "autocast": ("train.loop", "autocast_for"),
 }
 
 __all__ = sorted(["__version__", *_EXPORTS])
@@ -114,11 +115,12 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
     from .distributed import Session, get_env, get_session, init_distributed, session, shutdown
     from .ranks import get_local_rank, get_local_world_size, get_rank, get_world_size, log0, print0
-    from .backends import available_backends, register_backend
-    from .affinity import PinPlan, pinned
-    from .env import DistEnv
-    from .launchers import detect, register_launcher
-    from .loop import (
+    from .backends.registry import available_backends, register_backend
+    from .affinity.pin import pinned
+    from .affinity.plan import PinPlan
+    from .launchers.env import DistEnv
+    from .launchers.registry import detect, register_launcher
+    from .train.loop import (
         ShardedLoader,
         autocast_for,
         barrier,
@@ -128,8 +130,8 @@ if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
         save_state_dict,
         shard,
     )
-    from .preparation import PrepareInfo, prepare, prepared_info, unwrap
-    from .progress import Progress, ProgressSummary
+    from .train.prepare import PrepareInfo, prepare, prepared_info, unwrap
+    from .train.progress import Progress, ProgressSummary
     from .errors import (
         BackendError,
         CpuddpError,

@@ -25,7 +25,8 @@ __all__ = ["main", "build_parser"]
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``cpuddp`` parser with its subcommands (imports nothing heavy)."""
-    from . import bench, doctor
+    from cpuddp.bench import cli as bench
+    from cpuddp.doctor import command as doctor
 
     p = argparse.ArgumentParser(prog="cpuddp", description="Distributed data-parallel PyTorch on CPU clusters.")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -37,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description=(bench.__doc__ or "").split("\n\n")[0],
                        epilog="Exit codes: 0 ok, 1 error, 2 usage, 3 wrong results, 4 below --min-busbw.")
     bench.add_arguments(b)
-    from . import run
+    from cpuddp.run import command as run
 
     r = sub.add_parser("run", help="size, pin and launch a training script (torchrun, srun or MPI)",
                        description=(run.__doc__ or "").split("\n\n")[0],
@@ -54,14 +55,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        from . import doctor
+        from cpuddp.doctor import command as doctor
 
         return doctor.run(args)
     if args.command == "run":
-        from . import run
+        from cpuddp.run import command as run
 
         return run.run(args)
-    from . import bench
+    from cpuddp.bench import cli as bench
 
     return bench.run(args, argv)
 

@@ -99,7 +99,7 @@ def torch_pairing(version: str, torch_version: str, *,
     The one rule cpuddp applies to every package released per torch minor: the same
     major.minor, compared as versions (``packaging``; ``2.13`` is newer than ``2.8``), local
     labels (``+cpu``, ``+xpu``) ignored.  ``exact`` lists releases built for one torch patch
-    release only (the oneCCL bindings' 1.12.0 -> torch 1.12.0, see :mod:`cpuddp.backend_ccl`):
+    release only (the oneCCL bindings' 1.12.0 -> torch 1.12.0, see :mod:`cpuddp.backends.ccl`):
     those must match torch's major.minor.micro.  An unparsable version never matches.
     """
     from packaging.version import InvalidVersion
@@ -161,7 +161,7 @@ def versions(keys: Optional[Tuple[str, ...]] = None, *, lookup: Optional[Callabl
     Read with ``lookup(distribution)`` (default: ``importlib.metadata``), so nothing is
     imported; with ``imported_torch`` an already imported torch answers with its own
     ``__version__``.  None for a package that is not installed; cpuddp itself falls back to
-    ``cpuddp.__version__`` (a source checkout).  ``cpuddp doctor`` and ``cpuddp bench`` both
+    ``cpuddp.__version__`` (a source checkout; :mod:`cpuddp._version`).  ``cpuddp doctor`` and ``cpuddp bench`` both
     report these.
     """
     import platform
@@ -171,7 +171,7 @@ def versions(keys: Optional[Tuple[str, ...]] = None, *, lookup: Optional[Callabl
     if imported_torch and "torch" in out and "torch" in sys.modules:
         out["torch"] = str(getattr(sys.modules["torch"], "__version__", out["torch"]))
     if "cpuddp" in out and out["cpuddp"] is None:
-        from . import __version__
+        from ._version import __version__
 
         out["cpuddp"] = __version__
     out["python"] = platform.python_version()

@@ -5,7 +5,7 @@ and ``cpuddp bench --nproc``.
 
 * **The rendezvous store**, hosted in this (the parent) process on a socket it binds to
   ``127.0.0.1:0`` itself and holds until the world ends -- as torchrun's agent does
-  (``TORCHELASTIC_USE_AGENT_STORE=True``; :func:`cpuddp.rendezvous.open_store` joins it as a
+  (``TORCHELASTIC_USE_AGENT_STORE=True``; :func:`cpuddp.launchers.rendezvous.open_store` joins it as a
   client) -- so no port is chosen by bind-then-release and two worlds never race for one.
 * **Each rank's environment**, built once: the parent's minus every launcher's variables
   (:func:`cpuddp.launchers.clean_environ`), plus ``extra``, plus ``RANK``, ``WORLD_SIZE``,
@@ -88,7 +88,7 @@ def host_store(world_size: int, timeout: float) -> tuple[Any, int]:
 def world_environ(environ: Mapping[str, str], world_size: int, port: int, *, extra: Mapping[str, str] = {},
                   strip_backend_settings: bool = False) -> dict[str, str]:
     """Every rank's environment but its rank (pure); see the module docstring."""
-    from .launchers import clean_environ
+    from cpuddp.launchers.registry import clean_environ
 
     taken = sorted(set(extra) & set(RANK_CONTROLLED))
     if taken:

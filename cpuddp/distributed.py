@@ -7,16 +7,16 @@ Usage::
     ...
     cpuddp.shutdown()                      # or: with cpuddp.session() as env: ...
 
-:class:`~cpuddp.env.DistEnv` (``env``) says where the launcher put this process;
+:class:`~cpuddp.launchers.env.DistEnv` (``env``) says where the launcher put this process;
 :class:`Session` adds what init chose for it.
 
 The order, and why:
 
-1. **Detect** (:func:`cpuddp.launchers.detect`): a malformed environment fails before anything
+1. **Detect** (:func:`cpuddp.launchers.registry`): a malformed environment fails before anything
    starts, and before torch is imported.
-2. **Meet** (:mod:`cpuddp.rendezvous`): join the job's store -- torchrun's agent store, or a
+2. **Meet** (:mod:`cpuddp.launchers.rendezvous`): join the job's store -- torchrun's agent store, or a
    TCP store rank 0 hosts -- and nothing else yet.
-3. **Gather** (:mod:`cpuddp.hosts`): every rank publishes its host, its allowed CPUs and what
+3. **Gather** (:mod:`cpuddp.launchers.hosts`): every rank publishes its host, its allowed CPUs and what
    its launcher said through the store, and reads everyone's.  This fixes the local rank,
    local size and node rank from the hosts themselves (two ranks on one host launched
    Kubeflow-style are seen as such), with no collective, no pickle and no numpy.
@@ -71,19 +71,20 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Optional
 
-from . import ddp_check, hosts
+from . import ddp_check
+from cpuddp.launchers import hosts
 from ._compat import TESTED_TORCH, check_torch_version, older_than_tested
-from .env import DistEnv, Provenance, Source
+from cpuddp.launchers.env import DistEnv, Provenance, Source
 from .errors import BackendError, RendezvousError, first_line
-from .launcher_exports import DEFAULT_TIMEOUT, Exports, Timeout
-from .launcher_exports import configure_logging as _configure_logging
-from .launcher_exports import timeout_from as _timeout
-from .launchers import detect
-from .rendezvous import local_address, mpi_master_addr, open_store
+from cpuddp.launchers.exports import DEFAULT_TIMEOUT, Exports, Timeout
+from cpuddp.launchers.exports import configure_logging as _configure_logging
+from cpuddp.launchers.exports import timeout_from as _timeout
+from cpuddp.launchers.registry import detect
+from cpuddp.launchers.rendezvous import local_address, mpi_master_addr, open_store
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .affinity import PinPlan
-    from .backends import BackendChoice
+    from cpuddp.affinity.plan import PinPlan
+    from cpuddp.backends.types import BackendChoice
 
 __all__ = ["init_distributed", "shutdown", "get_env", "get_session", "Session", "session", "DEFAULT_TIMEOUT",
            "local_address"]
@@ -157,7 +158,7 @@ def init_distributed(
 ) -> DistEnv:
     """Join (or form) the job's process group and return where this process sits in it.
 
-    ``backend``: ``"auto"`` (:func:`cpuddp.backend_auto.auto_rule`: shared memory within a
+    ``backend``: ``"auto"`` (:func:`cpuddp.backends.auto.auto_rule`: shared memory within a
     node, oneCCL between nodes when it works, else gloo), ``"gloo"``, ``"ccl"``, or any
     registered name.  ``timeout``:
     seconds or a timedelta (default ``CPUDDP_TIMEOUT`` or 300 s).  ``pin``: pin this rank's
@@ -254,7 +255,7 @@ def _adopt(env: DistEnv) -> Session:
 def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
           environ: MutableMapping[str, str], undo: _Undo) -> Session:
     """Steps 2-6 of the module docstring: meet, gather, agree, plan and pin, form, check."""
-    from . import affinity
+    from cpuddp.affinity import pin as affinity
 
     before = affinity.thread_ids()  # the compute threads (this one, OpenMP's) and the user's
     wide = hosts.allowed_cpus() or None  # where communication threads may run
@@ -275,7 +276,7 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
         _form_group(env, choice.name, store, td)
         _first_collective(env, choice.name)
         if store is not None:
-            from . import watchdog
+            from cpuddp.watchdog import monitor as watchdog
 
             watchdog.start(env, undo.keep)
     return Session(env, backend=choice.name, pin_plan=plan)
@@ -301,7 +302,9 @@ def _plan_and_pin(env: DistEnv, choice: "BackendChoice", pin: bool, environ: Mut
                   local_cpus: Optional[tuple[frozenset[int], ...]], before: Any, undo: _Undo) -> Optional["PinPlan"]:
     """Step 5: plan the pinning, export the rank's and the backend's variables, load the
     backend, then pin the compute threads (``before``) to the plan."""
-    from . import affinity, backends
+    from cpuddp.affinity import pin as affinity
+    from cpuddp.backends.registry import load_backend
+    from cpuddp.backends.settings import backend_env
 
     plan = affinity.plan_for(env, backend=choice.name, environ=environ, local_cpus=local_cpus) if pin else None
     # A plain `python` run (no launcher, world of 1) exports no rank variables: a framework reads
@@ -309,8 +312,8 @@ def _plan_and_pin(env: DistEnv, choice: "BackendChoice", pin: bool, environ: Mut
     if env.launcher != "none":
         undo.exports.export(environ, env.exported(), reason="describes this process to torch and child processes",
                             strict=True)
-    undo.exports.export(os.environ, backends.backend_env(env, choice, plan, os.environ), reason="backend setting")
-    backends.load_backend(choice)
+    undo.exports.export(os.environ, backend_env(env, choice, plan, os.environ), reason="backend setting")
+    load_backend(choice)
     if plan is not None:
         undo.pin_state = affinity.apply_plan(plan, os.environ, threads=before)
     return plan
@@ -358,7 +361,8 @@ def _agree_backend(requested: str, env: DistEnv, store: Any, name: str, td: date
                    environ: Mapping[str, str], node_cpus: Optional[int] = None) -> Any:
     """This rank's backend choice, checked against every other rank's through the store.
     Under "auto", ranks that disagree (a binding on some nodes only) all take gloo."""
-    from . import backends, store_values
+    from cpuddp.backends import registry as backends
+    from cpuddp.launchers import store_values
 
     choice = backends.resolve_backend(requested, env, environ=environ, node_cpus=node_cpus)
     if store is not None:
@@ -380,7 +384,7 @@ def _agree_backend(requested: str, env: DistEnv, store: Any, name: str, td: date
 
 def _agree_inter(choice: Any, env: DistEnv, store: Any, name: str, td: datetime.timedelta) -> Any:
     """shm's node-to-node leg: oneCCL only when every rank has working bindings, else gloo."""
-    from . import store_values
+    from cpuddp.launchers import store_values
 
     legs = hosts.exchange(store, name, env.rank, env.world_size, choice.inter, td, what="backend")
     legs = [store_values.backend_name(f"{name}/{r}", n) for r, n in enumerate(legs)]
@@ -422,7 +426,7 @@ def _first_collective(env: DistEnv, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from . import backends
+    from cpuddp.backends import registry as backends
 
     t = torch.ones(1)
     try:
@@ -453,7 +457,7 @@ def shutdown(timeout: float = SHUTDOWN_TIMEOUT) -> None:
     """
     global _current, _undo_log
     with _lock:
-        from . import watchdog
+        from cpuddp.watchdog import monitor as watchdog
 
         watchdog.stop()  # first: it says "done" through the store the group is about to drop
         ddp_check.uninstall()
@@ -473,7 +477,7 @@ def _destroy_group(timeout: float) -> None:
         return
     if _abandoned is not None:
         return
-    shm = sys.modules.get("cpuddp.shm")
+    shm = sys.modules.get("cpuddp.backends.shm.group")
     if shm is not None:  # peers waiting for this rank learn at once that it left
         shm.leave_groups()
     done = threading.Event()
@@ -494,7 +498,7 @@ def _destroy_group(timeout: float) -> None:
 
 def _undo(undo: _Undo) -> None:
     """Undo what one init did: the group (bounded), pinning, exports, the store."""
-    from . import affinity
+    from cpuddp.affinity import pin as affinity
 
     _destroy_group(SHUTDOWN_TIMEOUT)
     if undo.pin_state is not None:

@@ -13,7 +13,7 @@ Kubeflow PyTorchJob, or as plain ``python train.py`` (Lightning then starts the 
 plain ``python`` run: the strategy calls it in every process once the ranks exist.
 
 - :func:`cluster_environment`: a Lightning ``ClusterEnvironment`` whose ranks come from
-  :func:`cpuddp.launchers.detect` (every launcher cpuddp reads; no mpi4py).  The strategies use
+  :func:`cpuddp.launchers.registry` (every launcher cpuddp reads; no mpi4py).  The strategies use
   it whenever a launcher started the process; without one, Lightning's own environment
   launches the ranks.
 - :func:`trainer_strategy` / :func:`fabric_strategy`: Lightning's ``DDPStrategy`` whose
@@ -33,7 +33,7 @@ import os
 from functools import lru_cache
 from typing import Any, Mapping, Optional
 
-from .launchers import detect
+from cpuddp.launchers.registry import detect
 
 __all__ = ["cluster_environment", "trainer_strategy", "fabric_strategy", "lightning_ranks"]
 
@@ -90,7 +90,7 @@ def _setup_on_cpuddp(strategy: Any, backend: str) -> None:
     ``_init_dist_connection``.  A rank Lightning launched itself is described to cpuddp through
     the ``RANK``/``WORLD_SIZE`` variables; a world of 1 formed earlier in this process (init
     called before Lightning launched the other ranks) is shut down and re-formed."""
-    import cpuddp
+    from .distributed import get_session, init_distributed, shutdown
 
     env = strategy.cluster_environment
     if not getattr(env, "_cpuddp", False):
@@ -98,13 +98,13 @@ def _setup_on_cpuddp(strategy: Any, backend: str) -> None:
             global_rank=strategy.global_rank, world_size=strategy.world_size, local_rank=strategy.local_rank,
             local_world_size=strategy.num_processes, node_rank=strategy.node_rank,
             main_address=env.main_address, main_port=env.main_port))
-    current = cpuddp.get_session()
+    current = get_session()
     if current is not None and current.env.world_size != strategy.world_size:
         log.info("cpuddp: re-forming the group: world %d -> %d (Lightning launched the ranks)",
                  current.env.world_size, strategy.world_size)
-        cpuddp.shutdown()
-    cpuddp.init_distributed(backend)
-    session = cpuddp.get_session()
+        shutdown()
+    init_distributed(backend)
+    session = get_session()
     assert session is not None
     strategy._process_group_backend = session.backend
     if getattr(env, "_cpuddp", False):
@@ -133,7 +133,7 @@ def _classes(package: str) -> dict[str, type]:
     fabric_ddp = importlib.import_module(f"{fabric_pkg}.strategies").DDPStrategy
 
     class CpuddpEnvironment(envs.ClusterEnvironment):  # type: ignore[misc, name-defined]
-        """Ranks from :func:`cpuddp.launchers.detect`: Intel MPI, MPICH, Open MPI, MVAPICH, PMIx,
+        """Ranks from :func:`cpuddp.launchers.registry`: Intel MPI, MPICH, Open MPI, MVAPICH, PMIx,
         Slurm, torchrun, Kubeflow -- no mpi4py.  The launcher starts the processes."""
 
         _cpuddp = True

@@ -7,7 +7,7 @@ answer at any time, so a script can ask before :func:`cpuddp.init_distributed`:
   ``torch.distributed.init_process_group``): the group's rank and size; the local rank and
   size are those :func:`cpuddp.init_distributed` fixed from the hosts, else the launcher's;
 * without one, under a launcher (torchrun, mpirun/mpiexec, srun, Kubeflow): the launcher's
-  values, read by :func:`cpuddp.launchers.detect` from ``os.environ``;
+  values, read by :func:`cpuddp.launchers.registry` from ``os.environ``;
 * in plain ``python``: rank 0 of 1.
 
 A half-set launcher environment raises :class:`~cpuddp.errors.LauncherEnvError`, as
@@ -58,10 +58,10 @@ def group_rank_world(group: Any = None) -> tuple[int, int]:
 
 
 def _where() -> Any:
-    """The :class:`~cpuddp.env.DistEnv` that describes this process: cpuddp's after
+    """The :class:`~cpuddp.launchers.env.DistEnv` that describes this process: cpuddp's after
     :func:`~cpuddp.init_distributed` (local rank fixed from the hosts), else the launcher's."""
     from . import distributed
-    from .launchers import detect
+    from cpuddp.launchers.registry import detect
 
     env = distributed.get_env()
     return env if env is not None else detect(os.environ)

@@ -62,7 +62,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 import cpuddp  # noqa: E402
-from cpuddp.progress import format_duration  # noqa: E402
+from cpuddp.train.progress import format_duration  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import paraphrase_data  # noqa: E402  (next to this file)

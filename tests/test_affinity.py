@@ -11,8 +11,8 @@ from typing import Optional
 
 import pytest
 
-from cpuddp import affinity
 from cpuddp.affinity import (
+    KMP_AFFINITY,
     PinPlan,
     apply_plan,
     current_plan,
@@ -22,7 +22,7 @@ from cpuddp.affinity import (
     plan_pinning,
     restore,
 )
-from cpuddp.env import DistEnv
+from cpuddp.launchers.env import DistEnv
 from cpuddp.errors import LauncherEnvError
 from cpuddp.topology import LogicalCpu, Topology, synthetic_topology
 
@@ -325,7 +325,7 @@ def test_mpich_without_binding_splits() -> None:
 def real_plan() -> PinPlan:
     cpu = min(os.sched_getaffinity(0))
     return PinPlan(local_rank=0, cpus=(cpu,), num_threads=1, reason="test",
-                   env={"OMP_NUM_THREADS": "1", "KMP_AFFINITY": affinity.KMP_AFFINITY, "KMP_BLOCKTIME": "1"})
+                   env={"OMP_NUM_THREADS": "1", "KMP_AFFINITY": KMP_AFFINITY, "KMP_BLOCKTIME": "1"})
 
 
 def test_apply_and_restore(real_plan: PinPlan) -> None:
@@ -339,7 +339,7 @@ def test_apply_and_restore(real_plan: PinPlan) -> None:
         assert torch.get_num_threads() == 1
         assert current_plan() is real_plan
         assert environ["OMP_NUM_THREADS"] == "1"
-        assert environ["KMP_AFFINITY"] == affinity.KMP_AFFINITY
+        assert environ["KMP_AFFINITY"] == KMP_AFFINITY
         assert environ["KMP_BLOCKTIME"] == "200"  # the user's value is kept
     finally:
         restore(state)

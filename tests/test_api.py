@@ -1,5 +1,6 @@
 """The public API is pinned: ``__all__``, ``_EXPORTS`` and the TYPE_CHECKING imports agree,
-the deprecated top-level names warn with their new path, and ``import cpuddp`` stays light."""
+the public submodules docs name keep their names, the deprecated top-level names warn with
+their new path, and ``import cpuddp`` stays light."""
 
 from __future__ import annotations
 
@@ -76,6 +77,54 @@ def _type_checking_imports() -> dict[str, str]:
 def test_the_public_api_is_pinned():
     assert set(cpuddp.__all__) == PUBLIC
     assert cpuddp.__all__ == sorted(["__version__", *cpuddp._EXPORTS])
+
+
+#: The submodules the docs tell users about, and the names each must keep (their ``__all__``
+#: before the areas became subpackages; adding or removing one must change this test).
+SUBMODULES = {
+    "cpuddp.backends": {
+        "BackendStatus", "BackendChoice", "BackendSpec", "Lookups", "BACKENDS", "available_backends",
+        "backend_status", "resolve_backend", "load_backend", "backend_env", "ccl_env", "ccl_settings", "CclPaths",
+        "find_ccl_paths", "explain_collective_failure", "gloo_env", "register_backend", "unregister_backend",
+        "ccl_pairing", "ccl_module_for", "CCL_DISTRIBUTIONS", "SKIP_VERSION_CHECK_VAR"},
+    "cpuddp.launchers": {
+        "READERS", "LAUNCHER_NAMES", "LauncherReader", "PartialEnv", "Variables", "register_launcher",
+        "unregister_launcher", "registered_launchers", "detect", "expand_nodelist", "expand_tasks_per_node",
+        "derive_port", "is_loopback", "LAUNCHER_ENV_PREFIXES", "LAUNCHER_ENV_NAMES", "is_launcher_variable",
+        "clean_environ", "BACKEND_ENV_PREFIXES", "BACKEND_ENV_NAMES"},
+    "cpuddp.affinity": {
+        "PinPlan", "PinWarning", "WARNING_CODES", "PinState", "plan_pinning", "plan_for", "apply_plan", "restore",
+        "pinned", "current_plan", "thread_affinity", "thread_ids", "launcher_binding", "KMP_AFFINITY",
+        "KMP_BLOCKTIME"},
+    "cpuddp.topology": {
+        "LogicalCpu", "Topology", "read_topology", "synthetic_topology", "cpu_features", "effective_cpu_count",
+        "parse_cpulist", "format_cpulist"},
+    "cpuddp.shm": {"NAME", "ShmProcessGroup", "register", "eligibility", "SUPPORTED_DTYPES", "INTER_VAR"},
+    "cpuddp.testing": {"run_distributed", "clean_environ", "is_launcher_variable", "LAUNCHER_ENV_PREFIXES",
+                       "LAUNCHER_ENV_NAMES"},
+    "cpuddp.lightning": {"trainer_strategy", "fabric_strategy", "cluster_environment", "lightning_ranks"},
+    "cpuddp.errors": {"CpuddpError", "LauncherEnvError", "BackendError", "RendezvousError", "PrepareError",
+                      "RankFailedError", "how_it_ended", "first_line"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(SUBMODULES))
+def test_the_public_submodules_keep_their_names(module):
+    mod = importlib.import_module(module)
+    assert set(mod.__all__) == SUBMODULES[module]
+    for name in mod.__all__:
+        value = getattr(mod, name)
+        home = getattr(value, "__module__", None)
+        if home and home.startswith("cpuddp.") and home != module:  # handed on from where it is defined
+            assert getattr(importlib.import_module(home), name) is value, f"{module}.{name}"
+
+
+def test_the_pytest_plugin_is_the_testing_module():
+    """pytest loads ``cpuddp.testing`` (entry point, or ``pytest_plugins``): its hooks and fixtures are there."""
+    import cpuddp.testing as plugin
+
+    for name in ("pytest_addoption", "pytest_configure", "clean_launcher_env", "run_distributed_fixture"):
+        assert callable(getattr(plugin, name)), name
 
 
 def test_type_checking_imports_match_exports():

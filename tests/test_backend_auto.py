@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from cpuddp import shm_check
-from cpuddp.backend_auto import RULE, AutoFacts, auto_rule
-from cpuddp.backend_env import backend_env, shm_env
-from cpuddp.backend_types import BackendChoice
+from cpuddp.backends.shm import check as shm_check
+from cpuddp.backends.auto import RULE, AutoFacts, auto_rule
+from cpuddp.backends.settings import backend_env, shm_env
+from cpuddp.backends.types import BackendChoice
 from cpuddp.backends import resolve_backend
-from cpuddp.env import DistEnv
+from cpuddp.launchers.env import DistEnv
 
 GIB = 1 << 30
 CCL_OK = "oneccl_bind_pt 2.13.0 matches torch 2.13.0"
@@ -126,7 +126,7 @@ def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes(monkeypatch):
 
     import torch.distributed as dist
 
-    from cpuddp import backends
+    from cpuddp.backends import registry as backends
     from cpuddp.distributed import _agree_backend
 
     def pick(requested, env, **kw):

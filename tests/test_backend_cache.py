@@ -1,4 +1,4 @@
-"""cpuddp.backend_cache: the one lock-file and atomic-write helper (used by the import probe's cache)."""
+"""cpuddp.backends.cache: the one lock-file and atomic-write helper (used by the import probe's cache)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from cpuddp.backend_cache import atomic_path, atomic_write_text, locked
+from cpuddp.backends.cache import atomic_path, atomic_write_text, locked
 
 HOLD = """\
 import sys, time
-from cpuddp.backend_cache import locked
+from cpuddp.backends.cache import locked
 with locked(sys.argv[1], wait=5) as held:
     print("held" if held else "free", flush=True)
     time.sleep(float(sys.argv[2]))

@@ -1,4 +1,4 @@
-"""cpuddp.backends and cpuddp.netif: choosing, loading and configuring the collective backend.
+"""cpuddp.backends and cpuddp.launchers.netif: choosing, loading and configuring the collective backend.
 
 The decision logic runs on injected package metadata and module lookups (no monkeypatching
 of globals).  gloo runs for real in subprocesses; so does the oneCCL bindings' test double
@@ -38,9 +38,9 @@ from cpuddp.backends import (
     register_backend,
     resolve_backend,
 )
-from cpuddp.env import DistEnv
+from cpuddp.launchers.env import DistEnv
 from cpuddp.errors import BackendError, LauncherEnvError
-from cpuddp.netif import Route, interface_for_source, is_loopback_address, route_to, source_address
+from cpuddp.launchers.netif import Route, interface_for_source, is_loopback_address, route_to, source_address
 
 REPO = Path(__file__).resolve().parents[1]
 TORCH = "2.13.0+cpu"
@@ -514,7 +514,7 @@ def test_mismatched_wheel_is_never_imported(tmp_path):
         import cpuddp
         from cpuddp import backends
         from cpuddp.errors import BackendError
-        from cpuddp.env import DistEnv
+        from cpuddp.launchers.env import DistEnv
         out = {{}}
         st = {{s.name: s for s in cpuddp.backends.available_backends()}}["ccl"]
         out["status"] = [st.available, st.reason, st.version]
@@ -807,7 +807,7 @@ def test_source_address_and_route_to_loopback():
 
 def test_import_is_light():
     code = (
-        "import sys, cpuddp.backends, cpuddp.netif; "
+        "import sys, cpuddp.backends, cpuddp.launchers.netif; "
         "bad = [m for m in ('torch', 'psutil', 'oneccl_bindings_for_pytorch', 'torch_ccl', 'mpi4py') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

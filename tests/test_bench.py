@@ -11,10 +11,15 @@ import io
 
 import pytest
 
-from cpuddp import _procs, bench, bench_cli, bench_launch, bench_rank, bench_sweep
+from cpuddp.bench import report as bench_report
+from cpuddp import _procs
+from cpuddp.bench import cli as bench_cli
+from cpuddp.bench import launch as bench_launch
+from cpuddp.bench import rank as bench_rank
+from cpuddp.bench import sweep as bench_sweep
 from cpuddp._units import format_size, parse_size
-from cpuddp.bench_report import format_row, format_rows, rows_to_csv
-from cpuddp.bench_sweep import (
+from cpuddp.bench.report import format_row, format_rows, rows_to_csv
+from cpuddp.bench.sweep import (
     EXIT_BELOW_MIN,
     EXIT_OK,
     EXIT_WRONG,
@@ -56,18 +61,6 @@ def test_parse_size_rejects(text: str) -> None:
 def test_format_size() -> None:
     assert [format_size(n) for n in (0, 1000, 1024, 1536, 1 << 20, 3 << 30)] == [
         "0 B", "1000 B", "1 KiB", "1.5 KiB", "1 MiB", "3 GiB"]
-
-
-def test_the_old_import_paths_still_work() -> None:
-    assert bench.parse_size is parse_size and bench.format_size is format_size
-    assert bench.format_row is format_row and bench.Row is bench_sweep.Row
-    from cpuddp.bench import run, spawn
-
-    assert run is bench_cli.run and spawn is bench_launch.spawn
-    with pytest.deprecated_call():
-        assert bench.free_port() > 0
-    with pytest.warns(DeprecationWarning):
-        assert bench.child_env({}, 0, 2, 29555)["MASTER_PORT"] == "29555"
 
 
 def test_sweep_sizes() -> None:
@@ -150,7 +143,7 @@ def test_summary_and_exit_codes() -> None:
     rows[0].wrong = 3
     assert summarize(rows, min_busbw=1e9)["exit_code"] == EXIT_WRONG  # wrong results win
     assert exit_code(0, 1.0, None) == EXIT_OK
-    text = "\n".join(bench.format_summary(summarize(rows, min_busbw=1e9)))
+    text = "\n".join(bench_report.format_summary(summarize(rows, min_busbw=1e9)))
     assert "FAILED" in text and all(line.startswith("#") for line in text.splitlines())
 
 
@@ -166,7 +159,7 @@ def test_rank_environment_strips_other_launchers() -> None:
     parent = {"PATH": "/bin", "PMI_RANK": "3", "OMPI_COMM_WORLD_RANK": "1", "SLURM_PROCID": "0",
               "RANK": "5", "MASTER_ADDR": "10.0.0.1", "OMP_NUM_THREADS": "4", "TORCHELASTIC_RUN_ID": "x",
               "CCL_WORKER_COUNT": "2", "GLOO_SOCKET_IFNAME": "eth0"}
-    base = _procs.world_environ(parent, 2, 29555, extra={bench.CHILD_MARK: "1"})
+    base = _procs.world_environ(parent, 2, 29555, extra={bench_launch.CHILD_MARK: "1"})
     assert base["WORLD_SIZE"] == "2" and base["LOCAL_WORLD_SIZE"] == "2"
     assert base["MASTER_ADDR"] == "127.0.0.1" and base["MASTER_PORT"] == "29555"
     assert base["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the parent hosts the store
@@ -174,7 +167,7 @@ def test_rank_environment_strips_other_launchers() -> None:
     assert base["CCL_WORKER_COUNT"] == "2" and base["GLOO_SOCKET_IFNAME"] == "eth0"  # bench keeps backend settings
     for gone in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID", "TORCHELASTIC_RUN_ID", "RANK"):
         assert gone not in base
-    assert base[bench.CHILD_MARK] == "1"
+    assert base[bench_launch.CHILD_MARK] == "1"
     assert parent["RANK"] == "5"  # the parent's mapping is untouched
     tests_env = _procs.world_environ(parent, 2, 29555, strip_backend_settings=True)
     assert "CCL_WORKER_COUNT" not in tests_env and "GLOO_SOCKET_IFNAME" not in tests_env
@@ -184,7 +177,7 @@ def test_rank_environment_strips_other_launchers() -> None:
 
 def _parse(*argv: str) -> argparse.Namespace:
     p = argparse.ArgumentParser()
-    bench.add_arguments(p)
+    bench_cli.add_arguments(p)
     return p.parse_args(list(argv))
 
 
@@ -206,8 +199,8 @@ def test_arguments_reject(argv: list[str], capsys: pytest.CaptureFixture[str]) -
 
 
 def test_run_rejects_bad_values_with_usage_code(capsys: pytest.CaptureFixture[str]) -> None:
-    assert bench.run(_parse("allreduce", "-n", "0"), []) == bench.EXIT_USAGE
-    assert bench.run(_parse("allreduce", "-b", "2M", "-e", "1M"), []) == bench.EXIT_USAGE
+    assert bench_cli.run(_parse("allreduce", "-n", "0"), []) == bench_sweep.EXIT_USAGE
+    assert bench_cli.run(_parse("allreduce", "-b", "2M", "-e", "1M"), []) == bench_sweep.EXIT_USAGE
     assert "--min" in capsys.readouterr().err
 
 
@@ -221,7 +214,7 @@ def test_header_lines_name_backend_threads_and_versions() -> None:
         "ranks": [{"host": "vm", "pid": 1, "cpus": "0", "torch_threads": 1, "OMP_NUM_THREADS": "1"}] * 10,
         "ceiling": {"gbps": 9.5, "bytes": 1 << 28, "threads": 1, "reps": 5, "min_gbps": 9.0, "max_gbps": 10.0},
     }
-    lines = bench.header_lines(meta)
+    lines = bench_report.header_lines(meta)
     text = "\n".join(lines)
     assert all(line.startswith("#") for line in lines)
     for needle in ("backend: gloo", "torch 2.13.0+cpu", "torch threads 1", "OMP_NUM_THREADS=1", "plan: CPUs 0, 1 thread(s)",
@@ -248,18 +241,18 @@ def test_compare_bare_is_gone_with_a_reason(capsys: pytest.CaptureFixture[str]) 
     assert "--compare-bare was removed" in err and "--backend a,b" in err
 
 
-def _row(backend_time_us: float, size: int = 1 << 20) -> bench.Row:
+def _row(backend_time_us: float, size: int = 1 << 20) -> bench_sweep.Row:
     return make_row("allreduce", 2, size, size // 4, "float32", backend_time_us / 1e6, 0, True)
 
 
 def test_backend_rows_give_the_speed_up_of_each_backend_over_the_first_and_align() -> None:
     names = ["gloo", "shm", "ccl"]
     rows = {"gloo": _row(2000.0), "shm": _row(500.0), "ccl": _row(4000.0)}
-    row = bench.backend_row(names, rows, {b: [rows[b].time_us / 1e6] for b in names})
+    row = bench_sweep.backend_row(names, rows, {b: [rows[b].time_us / 1e6] for b in names})
     assert row["ratio"] == {"shm": 4.0, "ccl": 0.5}
     assert row["backends"]["shm"]["busbw"] == pytest.approx(rows["shm"].busbw)
-    head = bench.format_backend_head(names)
-    line = bench.format_backend_row(row, names)
+    head = bench_report.format_backend_head(names)
+    line = bench_report.format_backend_row(row, names)
     assert all(h.startswith("#") for h in head)
     assert len(line) == len(head[0]) == len(head[1])
     assert "4.00x" in line and line.endswith("0.50x")

@@ -1,4 +1,4 @@
-"""oneCCL bindings judged by evidence: the import probe and its cache (cpuddp.ccl_probe), the
+"""oneCCL bindings judged by evidence: the import probe and its cache (cpuddp.backends.ccl_probe), the
 verdict in backend_status, init_distributed and doctor, the transport settings per launcher,
 and the explanation of a failing first collective.
 
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from ccl_util import MODULE, SOURCE_BUILD_VERSION, fake_site, torch_minor_version
-from cpuddp import ccl_probe
+from cpuddp.backends import ccl_probe
 from cpuddp.backends import (
     CclPaths,
     backend_status,
@@ -131,7 +131,7 @@ def test_probe_of_a_missing_module_spawns_nothing(tmp_path):
 CONCURRENT = """
     import json, sys
     sys.path.insert(0, {repo!r})
-    from cpuddp import ccl_probe
+    from cpuddp.backends import ccl_probe
     v = ccl_probe.check_import("oneccl_bindings_for_pytorch", "2.13.0+cpu", path=[{site!r}, *sys.path])
     print("VERDICT " + json.dumps([v.ok, v.cached]))
 """
@@ -250,7 +250,7 @@ RANK_SCRIPT = """
     compute = threading.Thread(target=stop.wait, name="user-compute", daemon=True)
     compute.start()  # a thread that exists before init: cpuddp pins it with the others
     pinned_at = []
-    from cpuddp import affinity
+    from cpuddp.affinity import pin as affinity
     _apply = affinity.apply_plan
     def apply_plan(*a, **k):
         out = _apply(*a, **k)
@@ -361,7 +361,7 @@ def _cpulist(cpus) -> str:
 DOCTOR = """
     import json, sys
     sys.path.insert(0, {site!r})
-    from cpuddp import doctor
+    from cpuddp.doctor import command as doctor
     report = doctor.collect({{}})
     print("REPORT " + json.dumps({{"versions": report["versions"], "warnings": report["warnings"],
                                   "text": doctor.format_text(report)}}))
@@ -544,7 +544,7 @@ def test_explain_collective_failure_other_backends():
 
 
 def test_probe_module_is_light():
-    code = ("import sys, cpuddp.ccl_probe; bad = [m for m in ('torch', 'numpy', 'oneccl_bindings_for_pytorch') "
+    code = ("import sys, cpuddp.backends.ccl_probe; bad = [m for m in ('torch', 'numpy', 'oneccl_bindings_for_pytorch') "
             "if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -18,9 +18,10 @@ from typing import Mapping, Optional
 
 import pytest
 
-from cpuddp import shm_check
+from cpuddp.bench import sweep as bench_sweep
+from cpuddp.bench import launch as bench_launch
+from cpuddp.backends.shm import check as shm_check
 
-from cpuddp import bench
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ["-b", "1K", "-e", "16K", "-f", "4", "-w", "1", "-n", "2", "--ceiling-size", "1M", "--timeout", "120"]
@@ -120,7 +121,7 @@ def test_bench_allreduce_nproc2_outputs(tmp_path: Path) -> None:
 def test_bench_min_busbw_sets_exit_code() -> None:
     r = cpuddp("bench", "reduce_scatter", "--nproc", "2", *TINY, "--inplace", "-d", "bfloat16",
                "--min-busbw", "1000000")
-    assert r.returncode == bench.EXIT_BELOW_MIN, r.stdout + r.stderr
+    assert r.returncode == bench_sweep.EXIT_BELOW_MIN, r.stdout + r.stderr
     assert "# Min bus bandwidth" in r.stdout and "FAILED" in r.stdout
     rows = table_rows(r.stdout)
     assert rows and all(x[2] == "bfloat16" and x[3] == "sum" and x[-1] == "0" for x in rows)
@@ -167,9 +168,9 @@ time.sleep(SIMULATED_HANG)
 @pytest.mark.timeout(60)
 def test_spawn_kills_the_others_when_a_rank_fails(capfd: pytest.CaptureFixture[str]) -> None:
     t0 = time.monotonic()
-    code = bench.spawn(2, ["fail"], timeout=50, environ=clean_env(), grace=0.5,
+    code = bench_launch.spawn(2, ["fail"], timeout=50, environ=clean_env(), grace=0.5,
                        program=[sys.executable, "-c", SCRIPT])
-    assert code == bench.EXIT_ERROR
+    assert code == bench_sweep.EXIT_ERROR
     assert time.monotonic() - t0 < 20
     assert "rank 1 exited with code 7" in capfd.readouterr().err
 
@@ -199,9 +200,9 @@ def test_spawn_prints_the_stack_of_each_hung_rank_and_leaves_no_process(capfd: p
 
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     t0 = time.monotonic()
-    code = bench.spawn(2, ["bench", "allreduce", *TINY[:-2], "--timeout", "100"], timeout=20, environ=clean_env(),
+    code = bench_launch.spawn(2, ["bench", "allreduce", *TINY[:-2], "--timeout", "100"], timeout=20, environ=clean_env(),
                        program=[sys.executable, "-c", HANG])
-    assert code == bench.EXIT_ERROR
+    assert code == bench_sweep.EXIT_ERROR
     assert time.monotonic() - t0 < 60
     err = capfd.readouterr().err
     assert "timed out after 20 s (--timeout)" in err
@@ -217,10 +218,10 @@ def test_spawn_prints_the_stack_of_each_hung_rank_and_leaves_no_process(capfd: p
 @pytest.mark.timeout(60)
 def test_spawn_timeout_and_success(capfd: pytest.CaptureFixture[str]) -> None:
     t0 = time.monotonic()
-    assert bench.spawn(2, ["hang"], timeout=1.0, environ=clean_env(), program=[sys.executable, "-c", SCRIPT]) == 1
+    assert bench_launch.spawn(2, ["hang"], timeout=1.0, environ=clean_env(), program=[sys.executable, "-c", SCRIPT]) == 1
     assert time.monotonic() - t0 < 20
     assert "timed out" in capfd.readouterr().err
-    assert bench.spawn(2, ["ok"], timeout=30, environ=clean_env(), program=[sys.executable, "-c", SCRIPT]) == 0
+    assert bench_launch.spawn(2, ["ok"], timeout=30, environ=clean_env(), program=[sys.executable, "-c", SCRIPT]) == 0
 
 
 # --------------------------------------------------------------------------- doctor

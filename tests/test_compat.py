@@ -108,7 +108,8 @@ def test_init_refuses_a_torch_older_than_the_floor(monkeypatch):
     ],
 )
 def test_torch_pairing_is_one_rule(version, torch, ok, built_for):
-    from cpuddp import _ipex, doctor
+    from cpuddp.train import ipex as _ipex
+    from cpuddp.doctor import command as doctor
     from cpuddp.backends import ccl_pairing
 
     pairing = _compat.torch_pairing(version, torch)
@@ -129,7 +130,7 @@ def test_torch_pairing_exact_releases():
 
 def test_doctor_does_not_override_its_own_match(monkeypatch):
     # The bindings' exact pairs decide doctor's verdict once (1.12.0 is for torch 1.12.0 only).
-    from cpuddp import doctor
+    from cpuddp.doctor import command as doctor
 
     installed = {"torch": "1.12.1", "oneccl_bind_pt": "1.12.0", "intel_extension_for_pytorch": "1.12.300"}
     monkeypatch.setattr(doctor, "_dist_version", installed.get)

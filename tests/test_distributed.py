@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import cpuddp
 from cpuddp.distributed import Session, _timeout, get_session
-from cpuddp.env import DistEnv
+from cpuddp.launchers.env import DistEnv
 from cpuddp.errors import RendezvousError
 
 
@@ -82,7 +82,7 @@ def test_timeout_from_environment_and_bad_values():
 def test_user_value_that_must_change_is_logged_and_restored_at_shutdown(caplog):
     # Under a launcher the rank variables must describe this process (a plain `python` run
     # exports none since issue 20, so the exporter is driven directly here).
-    from cpuddp.launcher_exports import Exports
+    from cpuddp.launchers.exports import Exports
 
     environ = {"LOCAL_WORLD_SIZE": "7"}
     exports = Exports()

@@ -14,8 +14,10 @@ from typing import Any, Optional
 
 import pytest
 
-from cpuddp import doctor
-from cpuddp.doctor import collect, diagnose, format_text, version_match
+from cpuddp.doctor import command as doctor
+from cpuddp.doctor.command import collect, version_match
+from cpuddp.doctor.diagnose import diagnose
+from cpuddp.doctor.text import format_text
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -212,7 +214,7 @@ def test_text_marks_missing_sections() -> None:
 @pytest.mark.timeout(60)
 def test_doctor_imports_no_heavy_module() -> None:
     code = (
-        "import sys, cpuddp.doctor as d; d.collect(); "
+        "import sys, cpuddp.doctor.command as d; d.collect(); "
         "heavy = [m for m in ('torch', 'cpuinfo', 'mpi4py', 'intel_extension_for_pytorch', "
         "'oneccl_bindings_for_pytorch') if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
     )
@@ -264,7 +266,7 @@ def test_doctor_auto_is_inits_rule_with_and_without_torch() -> None:
     init_distributed picks (the same function), with and without --torch, and the light path
     stays torch-free and under a second."""
     from cpuddp.backends import resolve_backend
-    from cpuddp.hosts import allowed_cpus
+    from cpuddp.launchers.hosts import allowed_cpus
     from cpuddp.launchers import detect
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CPUDDP_", "CCL_"))}

@@ -263,7 +263,7 @@ def test_lost_rank_without_launcher(mode, victim, expect):
     """Ranks started by hand (as Kubeflow or a script would): the survivor exits non-zero within
     the timeout -- a hung rank can only be noticed at the timeout, plus the watchdog's look at
     the heartbeats -- and its last line names the lost rank."""
-    from cpuddp import watchdog
+    from cpuddp.watchdog import monitor as watchdog
 
     timeout = 5 if mode == "stop" else 10
     bound = timeout + (watchdog.STALE + 2 if mode == "stop" else 0)
@@ -310,7 +310,7 @@ def test_watchdog_heartbeats_hooks_and_stop(monkeypatch):
 
     import torch.distributed as dist
 
-    from cpuddp import watchdog
+    from cpuddp.watchdog import monitor as watchdog
 
     monkeypatch.delenv("CPUDDP_WATCHDOG", raising=False)
     port = free_port()
@@ -353,7 +353,7 @@ def test_watchdog_excepthook_names_the_first_failure():
     'collective': rank 0's last line names rank 1 and its error, at once (no sampling)."""
     code = r'''
 import datetime, os, sys, time, torch.distributed as dist
-from cpuddp import watchdog
+from cpuddp.watchdog import monitor as watchdog
 rank, port = int(sys.argv[1]), int(sys.argv[2])
 class E: pass
 e = E(); e.rank, e.world_size, e.master_addr, e.master_port, e.agent_store = rank, 2, "127.0.0.1", port, False

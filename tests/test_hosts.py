@@ -1,4 +1,4 @@
-"""cpuddp.hosts: the records ranks exchange at init, the layout they imply, and the exchange
+"""cpuddp.launchers.hosts: the records ranks exchange at init, the layout they imply, and the exchange
 itself (on a real in-process store), plus what the pinning plan makes of the gathered CPUs."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ import time
 import pytest
 import torch.distributed as dist
 
-from cpuddp import affinity, hosts
+from cpuddp.affinity import pin as affinity
+from cpuddp.launchers import hosts
 from cpuddp.distributed import _agree_backend
-from cpuddp.env import DistEnv
+from cpuddp.launchers.env import DistEnv
 from cpuddp.errors import BackendError, RendezvousError
 from cpuddp.topology import synthetic_topology
 
@@ -87,7 +88,7 @@ def test_plan_stays_inside_disjoint_launcher_sets():
 
 
 def test_ranks_whose_auto_choices_differ_all_take_gloo(monkeypatch):
-    from cpuddp import backends
+    from cpuddp.backends import registry as backends
 
     store = dist.HashStore()
     store.set("b/1", "gloo")  # rank 1 chose gloo

@@ -21,9 +21,9 @@ import torch
 from packaging.version import Version
 from torch import nn
 
-from cpuddp import _ipex
+from cpuddp.train import ipex as _ipex
 from cpuddp.errors import PrepareError
-from cpuddp.preparation import prepare, prepared_info, unwrap
+from cpuddp.train.prepare import prepare, prepared_info, unwrap
 from cpuddp.topology import cpu_features, read_topology
 
 IPEX = _ipex.probe()
@@ -56,7 +56,7 @@ import dataclasses, json, sys
 import torch
 from torch import nn
 import cpuddp
-from cpuddp import _ipex
+from cpuddp.train import ipex as _ipex
 from cpuddp.errors import PrepareError
 
 out = {"probe": dataclasses.asdict(_ipex.probe())}
@@ -204,7 +204,7 @@ def _train_both_paths(precision: str | None, save_to: str) -> dict:
     """On each rank: train the same model on the IPEX path and on the stock path."""
     import torch.distributed as dist
 
-    from cpuddp.loop import save_state_dict
+    from cpuddp.train.loop import save_state_dict
 
     rank, world = dist.get_rank(), dist.get_world_size()
     per = BATCH // world

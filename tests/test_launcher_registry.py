@@ -21,8 +21,8 @@ from typing import Any, Iterator
 import pytest
 
 from cpuddp import LauncherEnvError
-from cpuddp import launchers
-from cpuddp.env import Provenance, Source
+from cpuddp.launchers import registry as launchers
+from cpuddp.launchers.env import Provenance, Source
 from cpuddp.launchers import (
     LAUNCHER_NAMES,
     LauncherReader,

@@ -12,11 +12,10 @@ import pickle
 import pytest
 
 from cpuddp import DistEnv, LauncherEnvError, detect
-from cpuddp.env import DEFAULT_PORT, PORT_RANGE
-from cpuddp.env import Provenance, Source
+from cpuddp.launchers.env import DEFAULT_PORT, PORT_RANGE
+from cpuddp.launchers.env import Provenance, Source
 from cpuddp.launchers import READERS, derive_port, expand_nodelist, expand_tasks_per_node, is_loopback
-from cpuddp.launchers import detect as detect_direct
-from cpuddp.netif import is_loopback_address
+from cpuddp.launchers.netif import is_loopback_address
 
 MPICH_RANK1 = {
     "PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "9", "PMI_HOSTNAME": "vm",
@@ -235,10 +234,3 @@ def test_sources_say_where_each_value_came_from_as_kind_and_text():
     assert clone.sources == src and clone.sources["master_addr"].kind is Source.PENDING
     with pytest.raises(ValueError, match="VARIABLE"):
         Provenance(Source.VARIABLE, "")
-
-
-def test_env_detect_is_a_deprecated_alias():
-    import cpuddp.env
-
-    with pytest.warns(DeprecationWarning, match="cpuddp.launchers.detect"):
-        assert cpuddp.env.detect is detect_direct

@@ -1,4 +1,4 @@
-"""Tests for cpuddp.loop: sharding, metrics, rank-0 checkpoints, and the example script."""
+"""Tests for cpuddp.train.loop: sharding, metrics, rank-0 checkpoints, and the example script."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from cpuddp.errors import PrepareError
-from cpuddp.loop import (
+from cpuddp.train.loop import (
     ShardedLoader,
     autocast_for,
     barrier,
@@ -25,7 +25,7 @@ from cpuddp.loop import (
     save_state_dict,
     shard,
 )
-from cpuddp.preparation import prepare, prepared_info, unwrap
+from cpuddp.train.prepare import prepare, prepared_info, unwrap
 
 from example_util import EXAMPLES, example_env, paraphrase_data
 
@@ -172,11 +172,11 @@ def test_autocast_for_a_prepared_model_follows_prepare(monkeypatch):
 
 def test_autocast_is_a_deprecated_alias_of_autocast_for(monkeypatch):
     import cpuddp
-    import cpuddp.loop
+    import cpuddp.train.loop
 
     _cpu_with_bf16(monkeypatch, True)
     with pytest.warns(DeprecationWarning, match="use cpuddp.autocast_for"):
-        ctx = cpuddp.loop.autocast()
+        ctx = cpuddp.train.loop.autocast()
     with ctx:
         assert torch.is_autocast_enabled("cpu")
     with pytest.warns(DeprecationWarning, match="use cpuddp.autocast_for"):
@@ -315,7 +315,7 @@ def _user_worker_init(worker_id: int) -> None:
 
 
 def _worker_reports(worker_threads) -> dict:
-    from cpuddp import affinity
+    from cpuddp.affinity import pin as affinity
 
     kwargs = {} if worker_threads == "default" else {"worker_threads": worker_threads}
     loader = shard(_WorkerReport(), batch_size=1, num_workers=2, collate_fn=_first,

@@ -1,4 +1,4 @@
-"""cpuddp.loop_checkpoint and save_state_dict's files: no temporary file outlives a failed or
+"""cpuddp.train.checkpoint and save_state_dict's files: no temporary file outlives a failed or
 killed save, the old checkpoint stays loadable, and only dead saves' files of this user are
 ever removed.  The killed save is a real process, SIGKILLed while it writes."""
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from cpuddp.loop import load_state_dict, save_state_dict
-from cpuddp.loop_checkpoint import is_temp_name, remove_leftovers, write_atomically
+from cpuddp.train.loop import load_state_dict, save_state_dict
+from cpuddp.train.checkpoint import is_temp_name, remove_leftovers, write_atomically
 
 
 def _temps(directory) -> list[str]:
@@ -80,7 +80,7 @@ def test_checkpoint_is_private_and_durable_names(tmp_path):
 _KILLED_SAVE = textwrap.dedent("""
     import sys, time, torch
     from torch import nn
-    from cpuddp.loop import save_state_dict
+    from cpuddp.train.loop import save_state_dict
 
     class Stall:
         def __reduce__(self):  # called while torch.save writes the temporary file

@@ -11,18 +11,16 @@ import pytest
 import torch
 from torch import nn
 
-from cpuddp import _ipex, prepare_optim, prepare_precision
+from cpuddp.train import ipex as _ipex
+from cpuddp.train import optim as prepare_optim
+from cpuddp.train import precision as prepare_precision
 from cpuddp.errors import PrepareError
-from cpuddp.preparation import (
-    bf16_allreduce_hook,
-    decide_precision,
-    prepare,
-    prepared_info,
-    unwrap,
-)
+from cpuddp.train.comm import bf16_allreduce_hook
+from cpuddp.train.precision import decide_precision
+from cpuddp.train.prepare import prepare, prepared_info, unwrap
 
 # the module, not the function of the same name (see the name clash guard in prepare.py)
-prepare_mod = importlib.import_module("cpuddp.preparation")
+prepare_mod = importlib.import_module("cpuddp.train.prepare")
 IPEX = _ipex.probe()
 needs_ipex = pytest.mark.skipif(not IPEX.usable, reason=f"IPEX not usable here: {IPEX.reason}")
 
@@ -118,7 +116,7 @@ def test_cpuinfo_flags_are_named_by_topology_cpu_features(cpuinfo_flags, amx, av
 
 
 def test_cpu_bf16_support_falls_back_to_the_topology_flags(monkeypatch):
-    from cpuddp import topology
+    from cpuddp.topology import read as topology
 
     class _Topo:
         flags = frozenset({"avx2", "avx512_bf16"})
@@ -340,8 +338,8 @@ def test_unwrap_peels_compile_and_ddp_like_wrappers():
 
 def test_public_prepare_is_the_function_even_after_submodule_imports():
     import cpuddp
-    import cpuddp.loop  # noqa: F401
-    import cpuddp.preparation  # noqa: F401
+    import cpuddp.train.loop  # noqa: F401
+    import cpuddp.train.prepare  # noqa: F401
 
     assert cpuddp.prepare is prepare
     assert prepared_info(cpuddp.prepare(_mlp(), ipex=False)) is not None
@@ -426,7 +424,7 @@ def test_bf16_strict_without_cpu_support_raises(monkeypatch):
 
 
 def test_cpuddp_autocast_follows_the_prepared_model(monkeypatch):
-    from cpuddp.loop import autocast_for as autocast
+    from cpuddp.train.loop import autocast_for as autocast
 
     _with_cpu_bf16(monkeypatch, True)
     bf = prepare(_mlp(), mixed_precision="bf16", ipex=False)

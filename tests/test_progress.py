@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from cpuddp.progress import Progress, ProgressSummary, format_duration
+from cpuddp.train.progress import Progress, ProgressSummary, format_duration
 
 
 class Clock:
@@ -160,7 +160,7 @@ def test_bad_arguments_name_the_argument(kwargs, word):
 
 
 def test_import_is_light():
-    code = "import sys, cpuddp.progress; print('torch' in sys.modules)"
+    code = "import sys, cpuddp.train.progress; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "False", out.stderr
 

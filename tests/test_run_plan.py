@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from cpuddp.affinity import plan_for
-from cpuddp.env import DistEnv
-from cpuddp.run_env import find_allocator, openmp_runtime, settings_env
-from cpuddp.run_launch import mpi_command, mpi_family, parse_hostfile, srun_command, torchrun_command
-from cpuddp.run_plan import RunPlanError, plan_run, plan_table
+from cpuddp.launchers.env import DistEnv
+from cpuddp.run.settings import find_allocator, openmp_runtime, settings_env
+from cpuddp.run.launch import mpi_command, mpi_family, parse_hostfile, srun_command, torchrun_command
+from cpuddp.run.plan import RunPlanError, plan_run, plan_table
 from cpuddp.topology import format_cpulist, synthetic_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,7 +143,7 @@ def test_torchrun_command() -> None:
     plan = plan_run(SPR_LIKE)
     launch = torchrun_command(plan, "train.py", ["--lr", "1"], max_restarts=2, python="py")
     assert launch.argv == ("py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "--max-restarts", "2", "--module", "cpuddp.run_rank", "train.py", "--lr", "1")
+                           "--max-restarts", "2", "--module", "cpuddp.run.rank", "train.py", "--lr", "1")
     assert launch.env["CPUDDP_RANK_CPUS"] == "0-27;28-55" and launch.env["CPUDDP_RANK_THREADS"] == "28;28"
     assert launch.env["OMP_NUM_THREADS"] == "28"  # torchrun then keeps it instead of forcing 1
 
@@ -186,7 +186,7 @@ def test_hostfile() -> None:
 
 
 def test_unknown_and_unreachable_hosts() -> None:
-    from cpuddp.run import check_hosts
+    from cpuddp.run.command import check_hosts
 
     def resolve(host, port):
         if host == "nosuch":
@@ -279,7 +279,7 @@ def doc_examples() -> list[str]:
     """The worked examples of docs/run.md, generated from the planner (the test below checks
     that the document holds each one verbatim; print them with
     ``python -c "import sys; sys.path.insert(0, 'tests'); import test_run_plan as t; print(*t.doc_examples(), sep='\\n\\n')"``)."""
-    from cpuddp.run import command_text
+    from cpuddp.run.command import command_text
 
     spr = synthetic_topology(2, 56, 2)  # 2 x 56-core Sapphire Rapids, SMT on, SNC off
     epyc = synthetic_topology(2, 64, 2, numa_per_socket=4)  # 2 x 64-core EPYC, NPS4: 8 NUMA nodes

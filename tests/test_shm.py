@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cpuddp import shm_check
+from cpuddp.backends.shm import check as shm_check
 from cpuddp.testing import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -286,7 +286,7 @@ def test_reservation_is_two_slots_per_rank_plus_header_control_lines_and_rings()
 
 
 def test_checks_stay_light_and_the_module_registers_once():
-    code = ("import sys, cpuddp.shm_check, cpuddp.backends as b; assert 'torch' not in sys.modules; "
+    code = ("import sys, cpuddp.backends.shm.check, cpuddp.backends as b; assert 'torch' not in sys.modules; "
             "print(b.backend_status('shm').available); "
             "import cpuddp.shm, importlib, torch.distributed as d; cpuddp.shm.register(); "
             "importlib.reload(cpuddp.shm); print(d.Backend.backend_list.count('shm'), d.Backend.SHM)")

@@ -1,4 +1,4 @@
-"""cpuddp._shm_segment.plan_node: which ranks share a node, as a pure function of every rank's
+"""cpuddp.backends.shm.segment.plan_node: which ranks share a node, as a pure function of every rank's
 ``whoami`` line (host identity, pid, PID namespace, allowed CPUs).  The real groups are in
 tests/test_shm.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cpuddp._shm_segment import plan_node
+from cpuddp.backends.shm.segment import plan_node
 
 
 def who(*rows: str) -> list[list[str]]:
@@ -48,13 +48,13 @@ def test_no_spin_when_ranks_outnumber_their_cpus_and_no_pids_across_pid_namespac
 
 
 def test_pid_alive_counts_a_zombie_as_dead():
-    """The one pid check the shm wait loop and the watchdog share (cpuddp.hosts.pid_alive)."""
+    """The one pid check the shm wait loop and the watchdog share (cpuddp.launchers.hosts.pid_alive)."""
     import os
     import subprocess
     import sys
     import time
 
-    from cpuddp.hosts import pid_alive
+    from cpuddp.launchers.hosts import pid_alive
 
     assert pid_alive(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -14,11 +14,12 @@ import json
 import pytest
 import torch.distributed as dist
 
-from cpuddp import hosts, store_values
+from cpuddp.launchers import hosts
+from cpuddp.launchers import store_values
 from cpuddp.distributed import _agree_backend
-from cpuddp.env import DistEnv
+from cpuddp.launchers.env import DistEnv
 from cpuddp.errors import RendezvousError
-from cpuddp.rendezvous import JOB_KEY, _check_job, job_key
+from cpuddp.launchers.rendezvous import JOB_KEY, _check_job, job_key
 
 TD = datetime.timedelta(seconds=2)
 KEY = "cpuddp/init0/host/1"
@@ -208,7 +209,7 @@ def test_the_watchdog_names_a_hostile_key_and_keeps_beating(monkeypatch):
     import socket
     import time
 
-    from cpuddp import watchdog
+    from cpuddp.watchdog import monitor as watchdog
 
     monkeypatch.delenv("CPUDDP_WATCHDOG", raising=False)
     with socket.socket() as s:

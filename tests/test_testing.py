@@ -13,7 +13,8 @@ import psutil
 import pytest
 
 from cpuddp.errors import RankFailedError
-from cpuddp.testing import _marker_options, _trim_stack, clean_environ, run_distributed
+from cpuddp.testing.plugin import _marker_options
+from cpuddp.testing.world import _trim_stack, clean_environ, run_distributed
 
 #: How long a rank that simulates a hang sleeps: far past every timeout here, so the
 #: harness (and pytest-timeout) must end it; it never ends a test by itself.
@@ -236,7 +237,7 @@ def test_clean_environ_drops_every_launchers_variables():
     }
     assert clean_environ(environ) == {"PATH": "/bin", "OMP_NUM_THREADS": "4", "I_MPI_PIN": "1", "CPUDDP_LOG_LEVEL": "INFO"}
     # launchers.clean_environ keeps the backend settings unless asked: one function, the difference named
-    from cpuddp import launchers
+    from cpuddp.launchers import registry as launchers
 
     kept = launchers.clean_environ(environ)
     assert kept["CCL_WORKER_COUNT"] == "2" and kept["GLOO_SOCKET_IFNAME"] == "eth0" and "RANK" not in kept
@@ -278,7 +279,7 @@ def test_marker_mistakes_are_named(mark, match):
 
 
 def test_stacks_stop_at_fn():
-    import cpuddp.testing_rank as t
+    import cpuddp.testing.rank as t
 
     dump = (
         "Current thread 0x1 (most recent call first):\n"

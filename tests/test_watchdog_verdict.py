@@ -1,7 +1,7 @@
 """The watchdog's verdict as pure functions: a snapshot in, a verdict out; no store, no processes.
 
 The multi-process behaviour (real ranks killed, stopped or raising) is in tests/test_failures.py;
-these tables pin each rule of cpuddp.watchdog_verdict on its own.
+these tables pin each rule of cpuddp.watchdog.verdict on its own.
 """
 
 from __future__ import annotations
@@ -11,11 +11,21 @@ import dataclasses
 import pytest
 
 from cpuddp.errors import RendezvousError
-from cpuddp.hosts import host_identity, machine_of
-from cpuddp.watchdog_store import parse_counter, parse_failed, parse_info, parse_ranks
-from cpuddp.watchdog_verdict import (
-    HeartbeatClock, PeerInfo, Snapshot, VerdictKind, decide, describe, linger_waiting, local_ranks,
-    looks_like_comm_failure, ranks_to_watch, store_gone, why_silent,
+from cpuddp.launchers.hosts import host_identity, machine_of
+from cpuddp.watchdog.store import parse_counter, parse_failed, parse_info, parse_ranks
+from cpuddp.watchdog.verdict import (
+    HeartbeatClock,
+    PeerInfo,
+    Snapshot,
+    VerdictKind,
+    decide,
+    describe,
+    linger_waiting,
+    local_ranks,
+    looks_like_comm_failure,
+    ranks_to_watch,
+    store_gone,
+    why_silent,
 )
 
 HERE, THERE = "node7|boot1|net1|pid1", "node9|boot2|net2|pid2"

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import cpuddp
-from cpuddp import watchdog
+from cpuddp.watchdog import monitor as watchdog
 
 env = cpuddp.init_distributed(pin=False)
 if not watchdog.running():  # until init_distributed starts it itself

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import cpuddp._shm_segment as segment
+import cpuddp.backends.shm.segment as segment
 import cpuddp.shm  # noqa: F401  -- registers "shm" with torch.distributed
 
 mode, outdir = sys.argv[1], sys.argv[2]

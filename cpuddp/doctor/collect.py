@@ -1,0 +1,235 @@
+"""``cpuddp doctor``'s probes: each gathers one section of the report as plain data.
+
+Each is run through :func:`_section`, so a probe that fails becomes ``{"available": False,
+"error": ...}`` and the rest of the report still runs.  None imports torch unless asked
+(``probe_torch``); name lookups are bounded in time.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+import threading
+from typing import Any, Callable, Mapping, Optional
+
+from cpuddp._compat import torch_pairing
+
+#: torch.distributed's built-in backends: probing them means importing torch (about 2 s).
+_TORCH_BUILTINS = ("gloo", "mpi", "nccl")
+
+
+def torch_matches(versions: Mapping[str, Any]) -> dict[str, Any]:
+    """``<key>_matches_torch`` (None when either is missing) and ``<key>_built_for`` for IPEX
+    and the oneCCL bindings, by :func:`cpuddp._compat.torch_pairing` -- the rule
+    ``init_distributed`` and ``prepare`` apply (the bindings' with their exact pairs)."""
+    from cpuddp.backends.ccl import CCL_EXACT_TORCH
+
+    out: dict[str, Any] = {}
+    torch = versions.get("torch")
+    for key, exact in (("ipex", None), ("oneccl_bind_pt", CCL_EXACT_TORCH)):
+        version = versions.get(key)
+        if not torch or not version:
+            out[f"{key}_matches_torch"] = None
+            continue
+        pairing = torch_pairing(version, torch, exact=exact)
+        out[f"{key}_matches_torch"] = pairing.ok
+        out[f"{key}_built_for"] = pairing.built_for
+    return out
+
+
+def _section(fn: Callable[[], Any]) -> Any:
+    """Run one probe; a failure becomes ``{"available": False, "error": ...}``."""
+    try:
+        return fn()
+    except Exception as e:  # a broken or missing module must not take the report down
+        return {"available": False, "error": f"{type(e).__name__}: {e}"}
+
+
+def _launcher(environ: Mapping[str, str]) -> tuple[dict[str, Any], Any]:
+    from cpuddp.errors import LauncherEnvError
+    from cpuddp.launchers.registry import LAUNCHER_NAMES, detect
+
+    try:
+        env = detect(environ)
+    except LauncherEnvError as e:
+        return {"ok": False, "error": str(e), "variable": e.variable, "value": e.value, "launcher": e.launcher,
+                "fix": e.fix}, None
+    d = env.as_dict()
+    return {"ok": True, "name": env.launcher, "description": LAUNCHER_NAMES.get(env.launcher, env.launcher),
+            "env": d}, env
+
+
+def _backends(env: Any, probe_torch: bool) -> dict[str, Any]:
+    """Every registered backend's status, and what ``backend="auto"`` would pick.
+
+    "auto" is :func:`cpuddp.backends.resolve_backend`'s answer, the rule init applies
+    (:func:`cpuddp.backends.auto.auto_rule`), for this process's launcher layout and CPUs.
+    Without ``probe_torch`` torch's built-in backends are listed unprobed and gloo is taken as
+    built in (every PyPI torch has it); nothing imports torch.
+    """
+    from cpuddp.backends import registry as backends
+
+    light = not probe_torch and "torch" not in sys.modules
+    items: list[dict[str, Any]] = []
+    for name in list(backends.BACKENDS):
+        if light and name in _TORCH_BUILTINS:
+            items.append({"name": name, "available": None, "version": None,
+                          "reason": "built into torch when it was compiled with it (not probed: "
+                                    "`cpuddp doctor --torch` imports torch and checks)"})
+        else:
+            items.append(_plain(backends.backend_status(name)))
+    out: dict[str, Any] = {"available": True, "backends": items, "torch_probed": not light}
+    if env is not None:
+        from cpuddp.launchers.hosts import allowed_cpus
+
+        try:
+            out["auto"] = _plain(backends.resolve_backend("auto", env, node_cpus=len(allowed_cpus()) or None,
+                                                          probe_torch=not light))
+        except Exception as e:
+            out["auto"] = {"error": f"{type(e).__name__}: {e}"}
+    return out
+
+
+def _ccl_verdict(backends: Any) -> Optional[dict[str, Any]]:
+    """What the ccl backend's check decided, and on what evidence (metadata, import probe)."""
+    items = backends.get("backends", []) if isinstance(backends, dict) else []
+    ccl = next((b for b in items if isinstance(b, dict) and b.get("name") == "ccl"), None)
+    if ccl is None:
+        return None
+    return {"usable": bool(ccl.get("available")), "evidence": ccl.get("evidence"), "reason": ccl.get("reason")}
+
+
+def _torch_probes() -> dict[str, Any]:
+    """What only torch can tell (``--torch``): threads, and its own CPU-feature probes."""
+    import torch
+
+    out: dict[str, Any] = {"available": True, "version": torch.__version__, "num_threads": torch.get_num_threads(),
+                           "num_interop_threads": torch.get_num_interop_threads(),
+                           "mkldnn": bool(torch.backends.mkldnn.is_available())}
+    for probe in ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        fn = getattr(torch.cpu, probe, None)
+        out[probe.strip("_")] = bool(fn()) if fn is not None else None
+    return out
+
+
+def _plain(obj: Any) -> Any:
+    """A dataclass / object with as_dict / namedtuple / mapping -> plain data for JSON."""
+    import dataclasses
+
+    if obj is None or isinstance(obj, (str, int, float, bool)):
+        return obj
+    if hasattr(obj, "as_dict"):
+        return _plain(obj.as_dict())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if hasattr(obj, "_asdict"):
+        return _plain(obj._asdict())
+    if isinstance(obj, Mapping):
+        return {str(k): _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return [_plain(v) for v in (sorted(obj) if isinstance(obj, (set, frozenset)) else obj)]
+    return str(obj)
+
+
+def _cpu_model(root: str) -> Optional[str]:
+    try:
+        with open(os.path.join(root, "proc/cpuinfo")) as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep and key.strip() in ("model name", "Model", "cpu model"):
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _cpu(root: str) -> tuple[dict[str, Any], Any]:
+    from cpuddp.topology.model import cpu_features, effective_cpu_count
+    from cpuddp.topology.read import read_topology
+
+    topo = read_topology(root)
+    d = topo.as_dict()
+    d.pop("cpus", None)
+    threads_per_core = (len(topo.cpus) / max(1, len({c.core for c in topo.cpus}))) if topo.cpus else 1
+    d.update({
+        "available": True,
+        "model": _cpu_model(root),
+        "features": cpu_features(topo),
+        "threads_per_core": round(threads_per_core, 2),
+        "effective_cpu_count": effective_cpu_count(topo),
+    })
+    return d, topo
+
+
+def _plans(env: Any, topo: Any, environ: Mapping[str, str], backend: Optional[str]) -> dict[str, Any]:
+    from cpuddp.affinity import pin as affinity
+
+    if env is None:
+        return {"available": False, "error": "no DistEnv (see the launcher section)"}
+    plans = []
+    for lr in range(env.local_world_size):
+        rank = env.rank - env.local_rank + lr
+        e = env.replace(local_rank=lr, rank=rank)
+        plan = affinity.plan_for(e, backend=backend or "gloo", environ=environ, topology=topo)
+        plans.append({"local_rank": lr, "rank": rank, "plan": _plain(plan)})
+    return {"available": True, "backend": backend, "plans": plans}
+
+
+def _gloo_ifname(env: Any, environ: Mapping[str, str], timeout: float = 0.5) -> dict[str, Any]:
+    """The ``GLOO_SOCKET_IFNAME`` cpuddp would export in a multi-node job (bounded in time)."""
+    from cpuddp.backends.settings import gloo_env
+
+    out: dict[str, Any] = {"GLOO_SOCKET_IFNAME": environ.get("GLOO_SOCKET_IFNAME"), "source": "user"}
+    if out["GLOO_SOCKET_IFNAME"]:
+        return out
+    if env is None or env.single_node or not env.master_addr:
+        out["source"] = None if env is None or not env.single_node else "single node"
+        if env is not None and env.single_node:
+            out["GLOO_SOCKET_IFNAME"] = gloo_env(env, environ).get("GLOO_SOCKET_IFNAME")
+        return out
+    from cpuddp.launchers.netif import route_to
+
+    found: dict[str, Any] = {}
+
+    def work() -> None:
+        found["route"] = route_to(env.master_addr)  # resolves MASTER_ADDR: may wait on DNS
+
+    t = threading.Thread(target=work, name="cpuddp-doctor-route", daemon=True)
+    t.start()
+    t.join(timeout)
+    route = found.get("route")
+    if t.is_alive():
+        out["source"] = f"unknown: resolving MASTER_ADDR={env.master_addr} took longer than {timeout:g} s"
+    elif route is None:
+        out["source"] = f"unknown: no route to MASTER_ADDR={env.master_addr}"
+    else:
+        from cpuddp.launchers.netif import is_loopback_address
+
+        if is_loopback_address(route[1]):
+            out["source"] = f"none: MASTER_ADDR={env.master_addr} is reached over loopback from here"
+        else:
+            out.update({"GLOO_SOCKET_IFNAME": route[0], "source": f"route to MASTER_ADDR={env.master_addr}"})
+    return out
+
+
+def _resolve_host(timeout: float = 0.5) -> dict[str, Any]:
+    """This host's name and the addresses it resolves to (bounded: a slow DNS is reported, not waited on)."""
+    name = socket.gethostname()
+    result: dict[str, Any] = {"name": name, "addresses": [], "error": None}
+
+    def work() -> None:
+        try:
+            infos = socket.getaddrinfo(name, None, proto=socket.IPPROTO_TCP)
+            result["addresses"] = sorted({i[4][0] for i in infos})
+        except OSError as e:
+            result["error"] = str(e)
+
+    t = threading.Thread(target=work, name="cpuddp-doctor-dns", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        result["error"] = f"resolving {name!r} took longer than {timeout:g} s (slow DNS?)"
+    return result
+

@@ -1,0 +1,184 @@
+"""``cpuddp doctor``: what cpuddp sees here, what it would do, and what looks wrong.
+
+Usage::
+
+    cpuddp doctor             # a readable report
+    cpuddp doctor --json      # the same report as JSON (one object)
+    cpuddp doctor --strict    # exit 3 when there is any warning (for CI)
+    cpuddp doctor --torch     # also import torch (about 2 s) to probe gloo/mpi/nccl and torch.cpu
+    mpiexec -n 2 cpuddp doctor --json   # what each rank sees under a launcher
+
+Sections: the launcher and the :class:`~cpuddp.launchers.env.DistEnv` it describes (or the
+:class:`~cpuddp.errors.LauncherEnvError` that explains why there is none); the collective
+backends, with versions and the reason each can or cannot run; whether torch, IPEX and the
+oneCCL bindings' versions match; the CPU model and features (AVX-512, AVX512-BF16, AMX);
+sockets, cores, threads, the allowed CPU set and the cgroup quota; the thread variables;
+the pinning plan cpuddp would apply for each local rank; the host's name resolution and the
+``GLOO_SOCKET_IFNAME`` cpuddp would export; and warnings (oversubscription, a conflicting
+``OMP_NUM_THREADS``, a hostname resolving to loopback in a multi-node job, a missing
+``MASTER_ADDR``, IPEX or bindings built for another torch, and the pinning planner's own).
+
+It is fast (well under two seconds; about 0.1 s of work) because it never imports torch,
+IPEX, the oneCCL bindings, mpi4py or py-cpuinfo: versions come from ``importlib.metadata``,
+the CPU from ``/proc/cpuinfo`` and sysfs, and name lookups are bounded to 0.5 s.  torch's
+built-in backends are therefore listed unprobed unless ``--torch`` is given.  oneCCL bindings
+whose version names another torch get the verdict ``init_distributed`` uses: an import probe
+in a child process (:mod:`cpuddp.backends.ccl_probe`; a few seconds the first time, cached after).  It forms no process group and changes nothing.  A section
+whose module fails is reported as "not available" with the reason; the rest still runs.
+Exit codes: 0 (report printed), 3 with ``--strict`` when there are warnings.
+
+The probes are in :mod:`cpuddp.doctor.collect`, the warning rules (pure, each warning a
+``{"code", "message", "fix"}`` record) in :mod:`cpuddp.doctor.diagnose`, the text in
+:mod:`cpuddp.doctor.text`; this module puts them together and is the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import time
+from typing import Any, Mapping, Optional, Sequence
+
+from .collect import (
+    _backends,
+    _ccl_verdict,
+    _cpu,
+    _gloo_ifname,
+    _launcher,
+    _plans,
+    _resolve_host,
+    _section,
+    _torch_probes,
+    torch_matches,
+)
+from .diagnose import diagnose, version_warnings
+from .text import format_text
+
+__all__ = ["collect", "diagnose", "format_text", "version_match", "add_arguments", "run", "main"]
+
+EXIT_WARNINGS = 3
+
+#: Thread and affinity variables worth showing.
+_THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY",
+                "KMP_AFFINITY", "KMP_BLOCKTIME", "CCL_WORKER_COUNT", "CCL_WORKER_AFFINITY",
+                "GLOO_SOCKET_IFNAME", "LD_PRELOAD")
+
+
+# --------------------------------------------------------------------------- versions
+
+
+def _dist_version(name: str) -> Optional[str]:
+    import importlib.metadata as md
+
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+def version_match(torch_version: Optional[str], other: Optional[str]) -> Optional[bool]:
+    """True when ``other`` is built for ``torch_version`` (same major.minor), None if either is missing.
+
+    Deprecated: kept for one release; it calls :func:`cpuddp._compat.torch_pairing`, the one
+    rule, which says also what the package was built for.
+    """
+    if not torch_version or not other:
+        return None
+    from cpuddp._compat import torch_pairing
+
+    return torch_pairing(other, torch_version).ok
+
+
+def _versions() -> dict[str, Any]:
+    from cpuddp._compat import versions
+
+    v: dict[str, Any] = versions(lookup=_dist_version)
+    v.update(torch_matches(v))  # one rule for both packages (cpuddp._compat.torch_pairing)
+    return v
+
+
+# --------------------------------------------------------------------------- the report
+
+
+def collect(environ: Optional[Mapping[str, str]] = None, *, root: str = "/", probe_torch: bool = False) -> dict[str, Any]:
+    """Everything ``cpuddp doctor`` reports, as plain data (reads only).
+
+    Imports no torch unless ``probe_torch`` (then torch's backends and CPU probes are checked
+    too, at about 2 s).
+    """
+    t0 = time.perf_counter()
+    environ = dict(os.environ if environ is None else environ)
+    report: dict[str, Any] = {"format": "cpuddp-doctor/1"}
+    launcher = _section(lambda: _launcher(environ))
+    launcher, env = launcher if isinstance(launcher, tuple) else (launcher, None)
+    report["launcher"] = launcher
+    versions = _section(_versions)
+    report["versions"] = versions
+    backends = _section(lambda: _backends(env, probe_torch))
+    report["backends"] = backends
+    if isinstance(versions, dict) and versions.get("oneccl_bind_pt"):
+        versions["oneccl_bind_pt_verdict"] = _ccl_verdict(backends)
+    if probe_torch:
+        report["torch"] = _section(_torch_probes)
+    cpu = _section(lambda: _cpu(root))
+    cpu, topo = cpu if isinstance(cpu, tuple) else (cpu, None)
+    report["cpu"] = cpu
+    report["threads"] = {k: environ.get(k) for k in _THREAD_VARS}
+    auto = backends.get("auto") if isinstance(backends, dict) else None
+    chosen = auto.get("name") if isinstance(auto, dict) else None
+    report["pinning"] = _section(lambda: _plans(env, topo, environ, chosen))
+    report["host"] = _resolve_host()
+    report["network"] = _section(lambda: _gloo_ifname(env, environ))
+    report["warnings"] = _warnings(report, environ)
+    report["elapsed_s"] = round(time.perf_counter() - t0, 3)
+    return report
+
+
+def _warnings(report: Mapping[str, Any], environ: Mapping[str, str]) -> list[dict[str, str]]:
+    """:func:`diagnose` over the collected sections, then the version mismatches."""
+    launcher, cpu, network = report["launcher"], report["cpu"], report["network"]
+    plans = [p["plan"] for p in report["pinning"].get("plans", []) if isinstance(p.get("plan"), Mapping)]
+    cpus = cpu.get("effective_cpu_count") if isinstance(cpu, dict) and cpu.get("available") else None
+    out = diagnose(
+        launcher.get("env") if launcher.get("ok") else None,
+        environ,
+        cpus=cpus or os.cpu_count() or 1,
+        plans=plans,
+        host=report["host"],
+        mpi4py=importlib.util.find_spec("mpi4py") is not None,
+        gloo_ifname=network.get("GLOO_SOCKET_IFNAME") if network.get("available", True) else None,
+    )
+    if isinstance(report["versions"], dict):
+        out += version_warnings(report["versions"])
+    return out
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``cpuddp doctor``."""
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--strict", action="store_true", help="exit 3 when there are warnings")
+    p.add_argument("--torch", dest="probe_torch", action="store_true",
+                   help="also import torch (about 2 s) to probe its built-in backends, threads and CPU checks")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the report; return the exit code."""
+    report = collect(probe_torch=args.probe_torch)
+    if args.json:
+        sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")
+    else:
+        sys.stdout.write(format_text(report))
+    return EXIT_WARNINGS if args.strict and report["warnings"] else 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``cpuddp doctor ...`` as a function (``argv`` without the leading ``doctor``)."""
+    p = argparse.ArgumentParser(prog="cpuddp doctor", description=(__doc__ or "").split("\n\n")[0])
+    add_arguments(p)
+    return run(p.parse_args(list(sys.argv[1:] if argv is None else argv)))

@@ -1,0 +1,304 @@
+"""What every rank must know about the others before the process group forms.
+
+At init, each rank publishes a :class:`HostRecord` (its host, the CPUs it may run on, what
+its launcher said about its place on the node) through the rendezvous store and reads
+everyone's: :func:`exchange` and :func:`gather_hosts`.  No collective, no pickle, no numpy:
+plain JSON text under a key per rank.  :func:`layout` (pure) turns the records into this
+rank's place on its node -- local rank, local size, node rank -- and the allowed CPU sets of
+the ranks it shares the node with, which the pinning plan needs.
+
+A rank that fails between two exchanges publishes its error in place of its value
+(:func:`publish_error`), so the others raise at once naming it instead of waiting out the
+timeout.
+
+:func:`host_identity` is what tells hosts apart: hostname, boot id and network namespace, so
+two network namespaces on one machine count as two hosts, as they do for gloo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from . import store_values
+from cpuddp.errors import RendezvousError
+
+__all__ = [
+    "host_identity",
+    "machine_of",
+    "pid_alive",
+    "HostRecord",
+    "Layout",
+    "exchange",
+    "publish_error",
+    "gather_hosts",
+    "parse_record",
+    "check_records",
+    "layout",
+    "pairwise_disjoint",
+]
+
+#: Marks a published value as a rank's error rather than its answer.
+_ERROR = "!"
+
+
+def host_identity(namespaces: tuple[str, ...] = ("net",)) -> str:
+    """What distinguishes hosts: hostname, boot id and the given Linux namespaces (the
+    network namespace by default; the watchdog adds "pid": two processes with the same
+    identity then see each other's PIDs)."""
+    parts = [socket.gethostname(), ""]  # a field each, empty when unreadable: machine_of reads field 2
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        parts[1] = f.read().strip()
+    for ns in namespaces:
+        ino = ""
+        with contextlib.suppress(OSError):
+            ino = str(os.stat(f"/proc/self/ns/{ns}").st_ino)
+        parts.append(ino)
+    return "|".join(parts)
+
+
+def machine_of(identity: str) -> str:
+    """The machine part of a :func:`host_identity` (pure): its boot id -- one per running
+    kernel, shared by every container on it, whatever their hostname -- else its hostname."""
+    fields = identity.split("|")
+    return f"boot:{fields[1]}" if len(fields) > 1 and fields[1] else f"host:{fields[0]}"
+
+
+def pid_alive(pid: int) -> bool:
+    """Is ``pid`` a live, non-zombie process?  Meaningful only for a process with this one's
+    ``host_identity(("net", "pid"))`` (same host and PID namespace)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def allowed_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on now (empty where the platform cannot say)."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return ()
+
+
+@dataclass(frozen=True)
+class HostRecord:
+    """One rank's facts, as published at init.  ``local_rank``/``local_size``: what the
+    launcher said (None when it said nothing and cpuddp had to guess)."""
+
+    rank: int
+    host: str
+    cpus: tuple[int, ...]
+    local_rank: Optional[int] = None
+    local_size: Optional[int] = None
+
+    @classmethod
+    def here(cls, rank: int, local_rank: Optional[int], local_size: Optional[int]) -> "HostRecord":
+        return cls(rank, host_identity(), allowed_cpus(), local_rank, local_size)
+
+    def to_json(self) -> str:
+        return json.dumps({"rank": self.rank, "host": self.host, "cpus": list(self.cpus),
+                           "local_rank": self.local_rank, "local_size": self.local_size})
+
+    @classmethod
+    def from_json(cls, text: str) -> "HostRecord":
+        """Read back :meth:`to_json`'s text (trusted: use :func:`parse_record` for a store's)."""
+        d = json.loads(text)
+        return cls(int(d["rank"]), str(d["host"]), tuple(int(c) for c in d["cpus"]),
+                   d.get("local_rank"), d.get("local_size"))
+
+    @property
+    def hostname(self) -> str:
+        return self.host.split("|", 1)[0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one rank sits, from everyone's records.  ``nodes``: the global ranks of each
+    host, hosts ordered by their lowest rank.  ``local_cpus``: the allowed CPUs of the ranks
+    on this rank's host, in local-rank order."""
+
+    rank: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    nodes: tuple[tuple[int, ...], ...]
+    local_cpus: tuple[frozenset[int], ...]
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.nodes)
+
+
+_RECORD = "a host record (JSON: rank, host, cpus, local_rank, local_size)"
+_FIELDS = ("rank", "host", "cpus", "local_rank", "local_size")
+
+
+def _optional_int(key: str, name: str, value: Any, lo: int, hi: int, raw: Any) -> Optional[int]:
+    return None if value is None else store_values.int_field(key, name, value, lo, hi, expected=_RECORD, text=False,
+                                                             whole=raw)
+
+
+def parse_record(key: str, raw: Any, rank: int, world_size: int) -> HostRecord:
+    """Rank ``rank``'s :class:`HostRecord` as read from the store under ``key`` (pure), every
+    field checked: its own rank, a host identity of sane length, distinct CPU numbers in
+    ``0..MAX_CPU-1``, a launcher's local rank/size within the world.  Raises
+    :class:`RendezvousError` naming ``key`` and what was wrong."""
+    sv = store_values
+    d = sv.json_object(key, raw, _FIELDS, expected=_RECORD)
+    if sv.int_field(key, "rank", d["rank"], 0, world_size, expected=_RECORD, text=False, whole=raw) != rank:
+        raise sv.bad_value(key, f"its rank {d['rank']} is not {rank}, the rank of its key", raw, expected=_RECORD)
+    host = d["host"]
+    if not isinstance(host, str) or not host or len(host) > sv.MAX_HOST or not host.isprintable():
+        raise sv.bad_value(key, f"its host {sv.shown(host, 40)} is not printable text of 1..{sv.MAX_HOST} "
+                           "characters", raw, expected=_RECORD)
+    cpus = d["cpus"]
+    if not isinstance(cpus, list) or len(cpus) > sv.MAX_CPU:
+        raise sv.bad_value(key, f"its cpus are not a list of at most {sv.MAX_CPU} CPU numbers", raw, expected=_RECORD)
+    cpu_numbers = tuple(sv.int_field(key, "CPU number", c, 0, sv.MAX_CPU, expected=_RECORD, text=False, whole=raw) for c in cpus)
+    if len(set(cpu_numbers)) != len(cpu_numbers):
+        raise sv.bad_value(key, "its cpus repeat a CPU", raw, expected=_RECORD)
+    local_size = _optional_int(key, "local_size", d["local_size"], 1, world_size + 1, raw)
+    local_rank = _optional_int(key, "local_rank", d["local_rank"], 0, local_size or world_size, raw)
+    return HostRecord(rank, host, cpu_numbers, local_rank, local_size)
+
+
+def check_records(records: Sequence[HostRecord], world_size: int) -> None:
+    """Raise unless ``records`` hold each rank of ``0..world_size-1`` exactly once."""
+    ranks = sorted(r.rank for r in records)
+    if ranks != list(range(world_size)):
+        raise RendezvousError(
+            f"the host records gathered at init are for ranks {store_values.shown(ranks)}, not each rank "
+            f"of 0..{world_size - 1} once",
+            fix=store_values.FIX,
+        )
+
+
+def layout(records: Sequence[HostRecord], rank: int) -> Layout:
+    """This rank's :class:`Layout` (pure).  Ranks on one host are numbered locally in
+    global-rank order, as every launcher does for block placement.  ``records``: one per
+    rank of the world, ``rank`` among them (:func:`check_records`)."""
+    check_records(records, len(records))
+    if not 0 <= rank < len(records):
+        raise RendezvousError(f"rank {rank} is not a rank of the {len(records)} host records",
+                              fix=store_values.FIX)
+    by_rank = sorted(records, key=lambda r: r.rank)
+    hosts: dict[str, list[HostRecord]] = {}
+    for rec in by_rank:
+        hosts.setdefault(rec.host, []).append(rec)
+    nodes = tuple(tuple(r.rank for r in recs) for recs in hosts.values())
+    mine = next(r for r in by_rank if r.rank == rank)
+    here = hosts[mine.host]
+    return Layout(
+        rank=rank,
+        local_rank=[r.rank for r in here].index(rank),
+        local_world_size=len(here),
+        node_rank=list(hosts).index(mine.host),
+        nodes=nodes,
+        local_cpus=tuple(frozenset(r.cpus) for r in here),
+    )
+
+
+def pairwise_disjoint(sets: Sequence[frozenset[int]]) -> bool:
+    """True when no CPU is in two of ``sets`` (and none is empty)."""
+    seen: set[int] = set()
+    for s in sets:
+        if not s or seen & s:
+            return False
+        seen |= s
+    return True
+
+
+# --------------------------------------------------------------------------- the exchange
+
+
+def _key(name: str, rank: int) -> str:
+    return f"{name}/{rank}"
+
+
+def publish_error(store: Any, name: str, rank: int, error: BaseException) -> None:
+    """Publish ``error`` as this rank's value of exchange ``name`` (best effort)."""
+    text = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+    with contextlib.suppress(Exception):
+        if not store.check([_key(name, rank)]):
+            store.set(_key(name, rank), _ERROR + f"{type(error).__name__}: {text}")
+
+
+def exchange(store: Any, name: str, rank: int, world_size: int, value: str,
+             timeout: datetime.timedelta, *, what: str = "init",
+             missing_fix: Optional[Callable[[str], str]] = None) -> list[str]:
+    """Publish ``value`` as this rank's part of exchange ``name``; return every rank's value
+    in rank order.  Raises :class:`RendezvousError` naming the ranks that never published
+    within ``timeout`` (``missing_fix(shown_ranks)`` words the fix), or the first rank that
+    published an error instead."""
+    store.set(_key(name, rank), value)
+    keys = [_key(name, r) for r in range(world_size)]
+    try:
+        store.wait(keys, timeout)
+    except Exception:
+        missing = _missing(store, keys)
+        shown = missing if len(missing) <= 16 else f"{missing[:16]} and {len(missing) - 16} more"
+        raise RendezvousError(
+            f"rank {rank}: rank(s) {shown} of {world_size} never reached the {what} exchange "
+            f"within {timeout.total_seconds():.0f} s",
+            fix=missing_fix(str(shown)) if missing_fix else
+            f"start rank(s) {shown} (check the launcher's rank count and their logs), or fix the world size",
+        ) from None
+    raw = _get_all(store, keys)
+    if len(raw) != len(keys):
+        raise RendezvousError(f"rank {rank}: the store answered {len(raw)} values for the {len(keys)} keys of "
+                              f"the {what} exchange", fix=store_values.FIX)
+    values = [store_values.text_value(k, v) for k, v in zip(keys, raw)]
+    for r, v in enumerate(values):
+        if v.startswith(_ERROR) and r != rank:
+            raise RendezvousError(
+                f"rank {rank}: rank {r} failed during init: {_peer_error(v[len(_ERROR):])}",
+                fix=f"see rank {r}'s log for the cause; every rank stops with it",
+            )
+    return values
+
+
+def _peer_error(text: str) -> str:
+    """A peer's published error for a message: one line of printable text, at most 500 characters."""
+    line = "".join(c if c.isprintable() else " " for c in " ".join(text.split()))
+    return line if len(line) <= 500 else line[:497] + "..."
+
+
+def _get_all(store: Any, keys: Sequence[str]) -> list[Any]:
+    try:
+        return list(store.multi_get(keys))  # one round trip where the store has it
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return [store.get(k) for k in keys]
+
+
+def _missing(store: Any, keys: Sequence[str]) -> list[int]:
+    out = []
+    for r, key in enumerate(keys):
+        try:
+            if not store.check([key]):
+                out.append(r)
+        except Exception:
+            out.append(r)
+    return out
+
+
+def gather_hosts(store: Any, name: str, mine: HostRecord, world_size: int,
+                 timeout: datetime.timedelta, *, missing_fix: Optional[Callable[[str], str]] = None) -> list[HostRecord]:
+    """Every rank's :class:`HostRecord`, in rank order (see :func:`exchange`)."""
+    values = exchange(store, name, mine.rank, world_size, mine.to_json(), timeout, what="host",
+                      missing_fix=missing_fix)
+    records = [parse_record(_key(name, r), v, r, world_size) for r, v in enumerate(values)]
+    check_records(records, world_size)
+    return records

@@ -1,0 +1,275 @@
+"""The rendezvous store: where the ranks of a job first meet, before any process group.
+
+:func:`open_store` returns the store every rank of the job shares: torchrun's agent store
+under torchrun (and under :mod:`cpuddp.testing`), otherwise a ``TCPStore`` whose listening
+socket rank 0 binds itself -- on the address the ranks dial for a single-node job (so
+nothing is reachable from outside the machine), on every address (IPv4 and IPv6 where the
+host has both) for a multi-node one -- and hands to the store.  A busy port, an address this
+host cannot listen on and an unresolvable ``MASTER_ADDR`` fail at once, each with a fix that
+fits its cause.  The store carries a job key (from the launcher's job id), so a rank that
+reaches another job's store fails with a clear error instead of joining it.
+
+IPv6: ``MASTER_ADDR`` may be an IPv6 address or a name that resolves to one (``localhost``
+resolves to ``::1`` first on many Debian and RHEL hosts); the socket takes the family of
+the address it binds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import errno
+import hashlib
+import os
+import socket
+import time
+from typing import Any, NamedTuple, Optional
+
+from .env import DistEnv
+from cpuddp.errors import LauncherEnvError, RendezvousError, first_line
+from .parsers import is_loopback
+from .registry import LAUNCHER_NAMES
+from .store_values import job_key_value, shown
+
+__all__ = ["Rendezvous", "open_store", "local_address", "mpi_master_addr", "job_key", "JOB_KEY"]
+
+#: The key under which rank 0's own store names its job (read back with
+#: :func:`cpuddp.launchers.store_values.job_key_value`: printable text, at most 1024 characters).
+JOB_KEY = "cpuddp/job"
+
+
+class Rendezvous(NamedTuple):
+    """``store``: the job's store, for the process group and cpuddp's own keys.  ``keep``:
+    the object that must stay alive as long as the group (it owns the connection or the
+    listening socket)."""
+
+    store: Any
+    keep: Any
+
+
+def open_store(env: DistEnv, td: datetime.timedelta, environ: Any) -> Rendezvous:
+    """The job's store for a world of two or more (see the module docstring)."""
+    import torch.distributed as dist
+
+    if env.agent_store:
+        # torchrun's agent (or cpuddp.testing's parent) hosts the store: join it as a client,
+        # under the same prefix torch's env:// rendezvous uses.
+        client = _connect(env, td)
+        attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return Rendezvous(dist.PrefixStore(f"/worker/attempt_{attempt}", client), client)
+    key = job_key(env)
+    store = _own_store(env, td) if env.rank == 0 else _connect(env, td)
+    if env.rank == 0:
+        store.set(JOB_KEY, key)
+    else:
+        _check_job(env, store, key, td)
+    return Rendezvous(dist.PrefixStore(f"cpuddp/{key}", store), store)
+
+
+def _resolve(addr: str, port: int) -> list[Any]:
+    try:
+        return socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise RendezvousError(
+            f"MASTER_ADDR={addr!r} does not resolve ({exc.strerror})",
+            fix="set MASTER_ADDR to rank 0's hostname or IP address, as every rank can resolve it",
+        ) from None
+
+
+def _listen(env: DistEnv) -> socket.socket:
+    """Rank 0's listening socket: on the address the ranks dial for one node, on every
+    address (dual-stack where the host has IPv6) for several."""
+    addr, port = env.master_addr, env.master_port
+    infos = _resolve(addr, port)
+    if env.single_node:
+        family, host = infos[0][0], str(infos[0][4][0])
+        where = f"{host}:{port}" if family == socket.AF_INET else f"[{host}]:{port}"
+        make = lambda: socket.create_server((host, port), family=family, backlog=max(128, env.world_size))  # noqa: E731
+    else:
+        dual = socket.has_dualstack_ipv6()
+        where = f"*:{port}"
+        make = lambda: socket.create_server(  # noqa: E731
+            ("", port), family=socket.AF_INET6 if dual else socket.AF_INET,
+            dualstack_ipv6=dual, backlog=max(128, env.world_size))
+    try:
+        return make()
+    except OSError as exc:
+        raise _listen_error(env, where, exc) from None
+
+
+def _listen_error(env: DistEnv, where: str, exc: OSError) -> RendezvousError:
+    port = env.master_port
+    if exc.errno == errno.EADDRINUSE:
+        return RendezvousError(
+            f"rank 0 cannot listen on MASTER_PORT={port}: the port is already in use "
+            f"(another job, or a leftover process, holds it)",
+            fix=f"export MASTER_PORT to a free port (or unset it to derive one from the job id); "
+            f"`ss -ltnp 'sport = :{port}'` shows the holder",
+        )
+    if exc.errno == errno.EACCES:
+        return RendezvousError(
+            f"rank 0 may not listen on MASTER_PORT={port} ({exc.strerror})",
+            fix="export MASTER_PORT to a port above 1023 (or unset it to derive one from the job id)",
+        )
+    # EADDRNOTAVAIL, EAFNOSUPPORT, gaierror -9: the address, not the port, is the problem.
+    return RendezvousError(
+        f"rank 0 cannot listen on {where}: MASTER_ADDR={env.master_addr!r} is not an address of "
+        f"this host it can listen on ({exc.strerror or exc})",
+        fix="set MASTER_ADDR to an address of rank 0's host that every rank can reach "
+        "(127.0.0.1 when every rank runs on this machine); if 'localhost' resolves to ::1 here "
+        "but IPv6 is disabled, use 127.0.0.1",
+    )
+
+
+def _own_store(env: DistEnv, td: datetime.timedelta) -> Any:
+    sock = _listen(env)
+    # The store takes ownership of the listening socket (and closes it when destroyed).
+    fd = sock.detach()
+    try:
+        return _tcp_store(env.master_addr, env.master_port, env.world_size, True, td, fd)
+    except Exception:
+        with contextlib.suppress(OSError):  # the store may have closed it already
+            os.close(fd)
+        raise
+
+
+def _check_job(env: DistEnv, store: Any, key: str, td: datetime.timedelta) -> None:
+    addr, port = env.master_addr, env.master_port
+    try:
+        store.wait([JOB_KEY], td)
+        raw = store.get(JOB_KEY)
+    except Exception:
+        raise RendezvousError(
+            f"rank {env.rank} reached a store at {addr}:{port} that is not this job's rank 0 "
+            f"(no cpuddp job key within {td.total_seconds():.0f} s)",
+            fix="MASTER_PORT is used by another program or job: export a different MASTER_PORT",
+        ) from None
+    theirs = job_key_value(f"{JOB_KEY} (at {addr}:{port})", raw)
+    if theirs != key:
+        raise RendezvousError(
+            f"rank {env.rank} reached the store of another job at {addr}:{port} "
+            f"(its job {shown(theirs)}, ours {key!r})",
+            fix="two jobs share MASTER_PORT: export a different MASTER_PORT for one of them, or unset it",
+        )
+
+
+def _connect(env: DistEnv, td: datetime.timedelta) -> Any:
+    addr, port = env.master_addr, env.master_port
+    _resolve(addr, port)
+    try:
+        _wait_listening(addr, port, td.total_seconds())
+        return _tcp_store(addr, port, env.world_size, False, td, None)
+    except Exception as exc:  # torch raises DistStoreError / RuntimeError
+        raise RendezvousError(
+            f"rank {env.rank} could not reach rank 0's store at {addr}:{port} within "
+            f"{td.total_seconds():.0f} s ({type(exc).__name__}: {first_line(exc)})",
+            fix="check that rank 0 started and that MASTER_ADDR/MASTER_PORT point at it "
+            f"(launcher: {LAUNCHER_NAMES.get(env.launcher, env.launcher)}); a firewall between nodes also causes this",
+        ) from None
+
+
+def _wait_listening(addr: str, port: int, seconds: float) -> None:
+    """Return once ``addr:port`` accepts a TCP connection; TimeoutError after ``seconds``.
+    (A bare connect and close: the store's server ignores it.)"""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(2.0, left))):
+                return
+        except OSError as exc:
+            if left <= 0.1:
+                raise TimeoutError(f"nothing accepted a connection at {addr}:{port} ({exc.strerror or exc})") from None
+            time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def _tcp_store(addr: str, port: int, world: int, is_master: bool, td: datetime.timedelta, fd: Optional[int]) -> Any:
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {"wait_for_workers": False}
+    if fd is not None:
+        kwargs["master_listen_fd"] = fd
+    return dist.TCPStore(addr, port, world, is_master, td, **kwargs)
+
+
+# --------------------------------------------------------------------------- job identity
+
+
+def job_key(env: DistEnv) -> str:
+    """What tells this job's store from another's on the same port."""
+    job = env.job_id
+    if job is None and env.single_node and env.launcher in ("hydra", "openmpi", "mvapich"):
+        # MPICH gives no job id, but an MPI launcher starts every rank on a node from one
+        # proxy process: its pid tells two concurrent jobs on this machine apart.
+        proxy = _launcher_proxy_pid()
+        if proxy is not None:
+            job = f"proxy={proxy}@{socket.gethostname()}"
+    key = f"{job or 'nojobid'}/w{env.world_size}"
+    if len(key) > 256 or not key.isprintable():  # what job_key_value accepts, whatever the launcher said
+        key = "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+    return key
+
+
+#: Per-node daemons that MPI launchers start the ranks from.
+_PROXY_NAMES = ("hydra_pmi_proxy", "pmi_proxy", "mpispawn", "prted", "orted")
+
+
+def _launcher_proxy_pid() -> Optional[int]:
+    """The pid of the MPI launcher's per-node proxy above this process (through any wrapper
+    scripts between them), or None."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for parent in psutil.Process().parents():
+            if parent.name() in _PROXY_NAMES:
+                return parent.pid
+    return None
+
+
+# --------------------------------------------------------------------------- MASTER_ADDR
+
+
+def mpi_master_addr(env: DistEnv) -> str:
+    """Learn rank 0's address over MPI (multi-node MPI job without MASTER_ADDR)."""
+    name = LAUNCHER_NAMES.get(env.launcher, env.launcher)
+    fix = (
+        "export MASTER_ADDR=<rank 0's host or address> to every rank (Intel MPI/MPICH: "
+        "`mpiexec -genv MASTER_ADDR $(hostname -I | cut -d' ' -f1) ...`; Open MPI: "
+        "`mpirun -x MASTER_ADDR=... ...`), or `pip install cpuddp[mpi]` so cpuddp can ask rank 0 over MPI"
+    )
+    try:
+        from mpi4py import MPI  # lazy: importing mpi4py initializes MPI
+    except ImportError:
+        raise LauncherEnvError(
+            f"this is a {env.num_nodes}-node {name} job and MASTER_ADDR is not set",
+            variable="MASTER_ADDR", value=None, launcher=name, fix=fix,
+        ) from None
+    comm = MPI.COMM_WORLD
+    addr = local_address() if comm.Get_rank() == 0 else None
+    addr = comm.bcast(addr, root=0)
+    if not addr:
+        raise LauncherEnvError("rank 0 found no non-loopback address to offer", variable="MASTER_ADDR", value=None, launcher=name, fix=fix)
+    return str(addr)
+
+
+def local_address() -> str:
+    """This host's address for other hosts: the hostname's, unless it is loopback (a common
+    /etc/hosts setup), else the first non-loopback IPv4 address of an interface that is up,
+    else the first global IPv6 one (an IPv6-only host)."""
+    with contextlib.suppress(OSError):
+        for info in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM):
+            addr = str(info[4][0])
+            if not is_loopback(addr) and "%" not in addr:
+                return addr
+    import psutil
+
+    stats = psutil.net_if_stats()
+    found: dict[int, str] = {}
+    for ifname, addrs in sorted(psutil.net_if_addrs().items()):
+        if ifname in stats and not stats[ifname].isup:
+            continue
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6) and not is_loopback(a.address) and "%" not in a.address \
+                    and not a.address.lower().startswith("fe80"):
+                found.setdefault(a.family, a.address)
+    return found.get(socket.AF_INET) or found.get(socket.AF_INET6) or ""

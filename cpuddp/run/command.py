@@ -1,0 +1,221 @@
+"""``cpuddp run [options] script.py [args]``: size, pin and launch a training job.
+
+Usage::
+
+    cpuddp run examples/finetune.py                        # one node: one rank per NUMA node
+    cpuddp run --ranks-per-node 2 examples/finetune.py --bf16
+    cpuddp run --cores-per-rank 14 train.py                # as many 14-core ranks as fit
+    salloc -N 2 cpuddp run train.py                        # srun across the allocation
+    cpuddp run --hosts node1,node2 train.py                # the installed MPI launcher
+    cpuddp run --dry-run ...                               # print the plan and the command only
+
+It reads the node's topology (:mod:`cpuddp.topology`), plans the ranks
+(:func:`cpuddp.run.plan.plan_run`: ranks per node, each rank's CPUs and threads), picks the
+engine that is there (:mod:`cpuddp.run.launch`: torchrun's elastic agent on one node, srun in
+a Slurm allocation, the MPI launcher for a host list), adds the runtime settings
+(:mod:`cpuddp.run.settings`), prints the plan as a table and the exact command, then replaces
+itself with that command (its exit code is the launcher's).  Each rank's
+``init_distributed()`` then pins as planned.  A request that cannot be met ends here, before
+anything starts, with the value and the fix (exit code 2).  ``--dry-run`` never imports torch.
+
+Environment read: ``OMP_NUM_THREADS`` (refused when it contradicts the plan), ``SLURM_JOB_ID``,
+``SLURM_STEP_ID``, ``SLURM_JOB_NUM_NODES``, ``SLURM_JOB_CPUS_PER_NODE``,
+``SLURM_CPUS_PER_TASK``, ``SLURMD_NODENAME``, ``CPUDDP_MPIEXEC``, ``LD_PRELOAD``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from typing import Mapping, Optional, Sequence
+
+from .settings import DEFAULTS, find_allocator, openmp_runtime, settings_env
+from .launch import MPI_NAMES, Launch, mpi_command, mpi_family, parse_hostfile, srun_command, torchrun_command
+from .plan import RunPlan, RunPlanError, plan_run, plan_table
+from cpuddp.topology.model import Topology, synthetic_topology
+from cpuddp.topology.read import read_topology
+
+__all__ = ["add_arguments", "run", "prepare_job"]
+
+SSH_PORT = 22
+HOST_CHECK_TIMEOUT = 3.0  # seconds for each host's ssh port to answer
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    size = p.add_argument_group("the plan (default: one rank per NUMA node)")
+    size.add_argument("--ranks-per-node", type=int, metavar="N", help="ranks on each node")
+    size.add_argument("--cores-per-rank", type=int, metavar="C", help="physical cores per rank (must divide the node's)")
+    where = p.add_argument_group("where (default: this node; in a Slurm allocation: srun over it)")
+    where.add_argument("--hosts", metavar="H1,H2", help="comma-separated hosts: started with the installed MPI launcher")
+    where.add_argument("--hostfile", metavar="FILE", help="one host per line (host, host:N or host slots=N)")
+    where.add_argument("--launcher", metavar="PATH", help="the mpiexec/mpirun for --hosts (default $CPUDDP_MPIEXEC, else PATH)")
+    where.add_argument("--no-host-check", action="store_true", help="skip resolving the hosts and probing their ssh port")
+    where.add_argument("--max-restarts", type=int, default=0, metavar="R", help="one node: torchrun's --max-restarts (default 0)")
+    tune = p.add_argument_group("runtime settings (defaults measured: docs/performance.md)")
+    tune.add_argument("--allocator", choices=["auto", "jemalloc", "tcmalloc", "none"], default=DEFAULTS["allocator"],
+                      help=f"LD_PRELOAD a system allocator (default {DEFAULTS['allocator']})")
+    tune.add_argument("--omp", choices=["on", "off"], default=DEFAULTS["omp"],
+                      help=f"OpenMP binding variables matching the plan (default {DEFAULTS['omp']})")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the command; start nothing")
+    p.add_argument("script", help="the training script (run as `python script.py args` in every rank)")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+
+
+# --------------------------------------------------------------------------- gathering
+
+
+def _hosts(args: argparse.Namespace) -> list[str]:
+    if args.hosts and args.hostfile:
+        raise RunPlanError(f"--hosts {args.hosts} and --hostfile {args.hostfile} both given", fix="give one of them")
+    if args.hostfile:
+        try:
+            with open(args.hostfile, encoding="utf-8") as fh:
+                return parse_hostfile(fh.read(), f"--hostfile {args.hostfile}")
+        except OSError as exc:
+            raise RunPlanError(f"--hostfile {args.hostfile}: {exc.strerror}", fix="the path of a readable hostfile") from None
+    if args.hosts:
+        hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+        if not hosts:
+            raise RunPlanError(f"--hosts {args.hosts!r} names no host", fix="--hosts node1,node2")
+        return list(dict.fromkeys(hosts))
+    return []
+
+
+def _slurm_node(environ: Mapping[str, str]) -> tuple[Topology, int, Optional[int], bool]:
+    """(node topology, nodes, SLURM_CPUS_PER_TASK, CPUs known) of the allocation."""
+    from cpuddp.launchers.parsers import expand_tasks_per_node
+
+    if environ.get("SLURM_STEP_ID"):
+        raise RunPlanError(f"cpuddp run is already inside an srun step (SLURM_STEP_ID={environ['SLURM_STEP_ID']})",
+                           fix="run `cpuddp run` from the batch script or the salloc shell, not under srun")
+    nodes = int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or "1")
+    raw = environ.get("SLURM_JOB_CPUS_PER_NODE", "")
+    per_node = min(expand_tasks_per_node(raw)) if raw else None
+    cpt = int(environ["SLURM_CPUS_PER_TASK"]) if environ.get("SLURM_CPUS_PER_TASK", "").strip() else None
+    if environ.get("SLURMD_NODENAME"):  # on a node of the allocation (sbatch): its real layout
+        return read_topology(), nodes, cpt, True
+    if per_node is None:
+        raise RunPlanError(f"SLURM_JOB_ID={environ.get('SLURM_JOB_ID')} but no SLURM_JOB_CPUS_PER_NODE",
+                           fix="run cpuddp run inside salloc/sbatch, which set both")
+    topo = dataclasses.replace(synthetic_topology(1, per_node), source="synthetic-slurm")
+    return topo, nodes, cpt, False
+
+
+def _find_launcher(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
+    path = args.launcher or environ.get("CPUDDP_MPIEXEC") or shutil.which("mpiexec") or shutil.which("mpirun")
+    if not path:
+        raise RunPlanError(
+            "--hosts/--hostfile need an MPI launcher and none is installed (no mpiexec or mpirun on PATH, "
+            "no $CPUDDP_MPIEXEC, no --launcher)",
+            fix="install Intel MPI, MPICH or Open MPI (e.g. `pip install mpich` into its own venv) and pass "
+                "--launcher /path/to/mpiexec, or run inside a Slurm allocation (salloc/sbatch)")
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise RunPlanError(f"launcher {path!r} is not an executable file", fix="--launcher /path/to/mpiexec")
+    return path
+
+
+def _family(launcher: str) -> str:
+    try:
+        out = subprocess.run([launcher, "--version"], capture_output=True, text=True, timeout=20)
+        text = out.stdout + out.stderr
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        text = str(exc)
+    family = mpi_family(text)
+    if family is None:
+        raise RunPlanError(f"launcher {launcher!r} is not Intel MPI, MPICH or Open MPI (`--version` said: {text.strip()[:200]!r})",
+                           fix="--launcher the mpiexec/mpirun of one of " + ", ".join(MPI_NAMES.values()))
+    return family
+
+
+def check_hosts(hosts: Sequence[str], resolve=socket.getaddrinfo, connect=socket.create_connection) -> None:
+    """Each host resolves; each that is not this machine answers on the ssh port."""
+    from cpuddp.launchers.parsers import is_loopback
+
+    me = {socket.gethostname(), socket.gethostname().split(".")[0]}
+    for host in hosts:
+        try:
+            addr = resolve(host, None)[0][4][0]
+        except (OSError, IndexError):
+            raise RunPlanError(f"host {host!r} (--hosts/--hostfile) is unknown: the name does not resolve",
+                               fix="check the spelling, or add it to DNS or /etc/hosts") from None
+        if is_loopback(addr) or host in me:
+            continue
+        try:
+            connect((addr, SSH_PORT), timeout=HOST_CHECK_TIMEOUT).close()
+        except OSError as exc:
+            raise RunPlanError(
+                f"host {host!r} ({addr}) is unreachable: no answer on port {SSH_PORT} within "
+                f"{HOST_CHECK_TIMEOUT:g} s ({exc})",
+                fix="check that the node is up and runs sshd (the MPI launcher starts ranks over ssh), "
+                    "or --no-host-check") from None
+
+
+# --------------------------------------------------------------------------- deciding
+
+
+def prepare_job(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[RunPlan, Launch, list[str], list[str]]:
+    """The plan, the launch, the host names and notes for ``args``; raises :class:`RunPlanError`."""
+    hosts = _hosts(args)
+    in_slurm = bool(environ.get("SLURM_JOB_ID")) and not hosts
+    if in_slurm:
+        topo, nodes, cpt, known = _slurm_node(environ)
+    else:
+        topo, nodes, cpt, known = read_topology(), max(1, len(hosts)), None, True
+    plan = plan_run(topo, nodes=nodes, ranks_per_node=args.ranks_per_node, cores_per_rank=args.cores_per_rank,
+                    slurm_cpus_per_task=cpt, omp_num_threads=environ.get("OMP_NUM_THREADS"), cpus_known=known,
+                    hosts=hosts)
+    tpc = max(1, len(topo.usable) // max(1, len(topo.cores())))
+    settings, notes = settings_env(args.allocator, args.omp, environ,
+                                   allocator_path=None if args.allocator == "none" else find_allocator(args.allocator, environ),
+                                   runtime=openmp_runtime())
+    if args.max_restarts and (hosts or in_slurm):
+        raise RunPlanError(f"--max-restarts {args.max_restarts} applies to one node (torchrun's agent)",
+                           fix="drop --max-restarts, or requeue with Slurm (--requeue)")
+    if hosts:
+        launcher = _find_launcher(args, environ)
+        if not args.no_host_check:
+            check_hosts(hosts)
+        launch = mpi_command(_family(launcher), launcher, plan, hosts, args.script, args.args,
+                             threads_per_core=tpc, settings=settings)
+    elif in_slurm:
+        if shutil.which("srun") is None:
+            raise RunPlanError(f"in a Slurm allocation (SLURM_JOB_ID={environ['SLURM_JOB_ID']}) but srun is not on PATH",
+                               fix="add Slurm's bin directory to PATH (module load slurm)")
+        launch = srun_command(plan, args.script, args.args, settings=settings, threads_per_core=tpc)
+    else:
+        launch = torchrun_command(plan, args.script, args.args, max_restarts=args.max_restarts, settings=settings)
+    names = hosts or ([f"slurm node {i}" for i in range(nodes)] if in_slurm else [socket.gethostname()])
+    return plan, launch, names, notes
+
+
+def command_text(launch: Launch) -> str:
+    """The command as a shell line: added variables first, then the argv."""
+    return shlex.join([*(f"{k}={v}" for k, v in launch.env.items()), *launch.argv])
+
+
+def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> int:
+    """``cpuddp run``: print the plan and the command, then exec it (unless ``--dry-run``)."""
+    environ = os.environ if environ is None else environ
+    if not args.dry_run and not os.path.isfile(args.script):
+        print(f"cpuddp run: error: script {args.script!r} not found\nFix: the path of your training script",
+              file=sys.stderr)
+        return 2
+    try:
+        plan, launch, names, notes = prepare_job(args, environ)
+    except RunPlanError as exc:
+        print(f"cpuddp run: error: {exc}", file=sys.stderr)
+        return 2
+    print(plan_table(plan, names))
+    print(f"# engine: {launch.engine}" + "".join(f"\n# {n}" for n in notes))
+    print(command_text(launch))
+    sys.stdout.flush()
+    if args.dry_run:
+        return 0
+    os.execvpe(launch.argv[0], list(launch.argv), {**environ, **launch.env})
+    return 1  # pragma: no cover - exec does not return

@@ -1,0 +1,416 @@
+"""``prepare(model, optimizer)``: optimize a model for the CPU, then wrap it in DDP.
+
+Usage::
+
+    env = cpuddp.init_distributed()            # optional; without it the world size is 1
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-5)
+    model = cpuddp.prepare(model, optimizer, mixed_precision="bf16")
+    for batch in loader:                         # the loop needs no other change
+        loss = model(**batch)["loss"]
+        loss.backward()
+        optimizer.step()                          # the object you created keeps working
+        optimizer.zero_grad()
+
+What it does, in order:
+
+1. **Precision.**  ``mixed_precision="bf16"`` asks for bf16 autocast.  The CPU is probed
+   (AMX or AVX512-BF16, through ``torch.cpu._is_amx_tile_supported()`` /
+   ``torch.cpu._is_avx512_bf16_supported()``, else ``/proc/cpuinfo``).  Without either,
+   bf16 runs emulated and slower than fp32, so prepare warns and stays in fp32 -- or, with
+   ``strict=True``, raises :class:`cpuddp.errors.PrepareError`.
+2. **Optimization**, one of two paths:
+
+   * *IPEX*, when ``intel_extension_for_pytorch`` is installed and its major.minor equals
+     torch's (probed with :mod:`importlib.metadata` before importing it, because IPEX exits
+     the interpreter on a mismatch): ``ipex.optimize(model, optimizer=..., dtype=...,
+     inplace=True)``.  ``ipex=False`` skips it, ``ipex=True`` demands it.
+   * *stock PyTorch* otherwise: a ``torch.optim.Adam``/``AdamW`` the user left at
+     ``fused=None`` is switched to the fused CPU kernel (same object; only when it is safe:
+     no steps taken yet, every parameter a real floating tensor on the CPU, ``foreach``,
+     ``capturable`` and ``differentiable`` unset).
+
+3. **DDP**, when the world size is above 1 (from ``torch.distributed`` if initialized,
+   else 1): no ``device_ids``, ``gradient_as_bucket_view=True``; ``bucket_cap_mb``,
+   ``static_graph``, ``find_unused_parameters``, ``broadcast_buffers`` (only when given:
+   torch 2.13 deprecates it) and ``ddp_kwargs`` pass through.
+   ``comm_hook="fp16"`` compresses gradients to fp16 (gloo supports it);
+   ``comm_hook="bf16"`` first probes that the backend all-reduces bf16 correctly (gloo
+   failed to in some torch versions, pytorch issue 111131) and then registers cpuddp's own
+   bf16 hook (torch refuses its ``bf16_compress_hook`` on CPU by the hook's name).
+4. ``compile=True`` (or a dict of ``torch.compile`` keyword arguments) compiles the result.
+5. With bf16 active, the returned module's forward runs under
+   ``torch.autocast("cpu", dtype=torch.bfloat16)`` (a forward pre-hook and an
+   ``always_call`` forward hook), and floating outputs come back as fp32
+   (``output_fp32=True``) so a loss computed outside the model is computed in fp32.
+
+Calling prepare again on a prepared model (or on the module inside it) with the same
+arguments returns the prepared model unchanged; with different arguments it raises
+:class:`~cpuddp.errors.PrepareError`.  It never wraps twice.  :func:`prepared_info` tells
+what was decided and why; :func:`unwrap` returns the user's module.
+
+The steps are small functions in this module, called in order by :func:`prepare` (each
+testable alone); the parts with their own subject live beside it:
+:mod:`cpuddp.train.precision` (bf16 probe, precision decision, autocast hooks),
+:mod:`cpuddp.train.optim` (fused-Adam decision, ``ipex.optimize``) and
+:mod:`cpuddp.train.comm` (``comm_hook``, the bf16 probe and hook).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cpuddp.errors import PrepareError
+from .comm import bf16_allreduce_hook, bf16_allreduce_supported, check_comm_hook, register_hook
+from .optim import fuse_optimizer, ipex_optimize
+from .precision import AutocastHooks as _AutocastHooks  # noqa: F401 -- pickles made before the split
+from .precision import add_autocast, cpu_bf16_support, decide_precision
+
+__all__ = [
+    "prepare",
+    "PrepareInfo",
+    "prepared_info",
+    "unwrap",
+    "cpu_bf16_support",
+    "decide_precision",
+    "bf16_allreduce_supported",
+    "bf16_allreduce_hook",
+]
+
+_log = logging.getLogger("cpuddp.prepare")
+
+_RECORD_ATTR = "_cpuddp_prepared"
+
+
+@dataclass(frozen=True)
+class PrepareInfo:
+    """What :func:`prepare` decided for one model, and why."""
+
+    path: str  # "ipex" or "stock"
+    mixed_precision: Optional[str]  # "bf16" when the forward runs under bf16 autocast
+    requested_precision: Optional[str]
+    precision_reason: str
+    fused_optimizer: bool
+    ddp: bool
+    world_size: int
+    comm_hook: Optional[str]
+    compiled: bool
+    ipex_version: Optional[str] = None
+    notes: tuple[str, ...] = ()
+    options: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data for logs and JSON (without ``options``, which may hold process groups)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "options"}
+        out["notes"] = list(self.notes)
+        return out
+
+
+class _Record:
+    """Kept on the prepared module(s): the info, the outermost wrapper, the optimizer."""
+
+    def __init__(self, info: PrepareInfo, outer: nn.Module, optimizer: Optional[torch.optim.Optimizer]):
+        self.info = info
+        self.outer = weakref.ref(outer)
+        self.optimizer = weakref.ref(optimizer) if optimizer is not None else None
+
+    def __deepcopy__(self, memo: dict) -> "_Record":
+        # A deep copy of a prepared model is a plain model again: drop the record.
+        return None  # type: ignore[return-value]
+
+    def __reduce__(self):
+        return (_none, ())
+
+
+def _none() -> None:
+    return None
+
+
+# --------------------------------------------------------------------------- unwrap / info
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP and ``torch.compile`` wrappers (any nesting)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    seen = 0
+    while seen < 16:
+        seen += 1
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
+            model = model._orig_mod  # torch._dynamo OptimizedModule
+        else:
+            break
+    return model
+
+
+def _record(model: nn.Module) -> Optional[_Record]:
+    rec = model.__dict__.get(_RECORD_ATTR)
+    if rec is None:
+        rec = unwrap(model).__dict__.get(_RECORD_ATTR)
+    return rec if isinstance(rec, _Record) else None
+
+
+def prepared_info(model: nn.Module) -> Optional[PrepareInfo]:
+    """The :class:`PrepareInfo` of a model returned by :func:`prepare` (or its inner module), else None."""
+    rec = _record(model)
+    return rec.info if rec is not None else None
+
+
+# --------------------------------------------------------------------------- the steps
+# Each step is called once, in this order, by prepare(); a step that warns does so with
+# stacklevel=3 (the step, prepare, the user's call).
+
+
+def _already_prepared(
+    model: nn.Module, optimizer: Optional[torch.optim.Optimizer], options: Mapping[str, Any]
+) -> Optional[nn.Module]:
+    """Idempotency: the prepared model when ``model`` was prepared with the same arguments,
+    None when it was never prepared; :class:`PrepareError` for other arguments/optimizer."""
+    rec = _record(model)
+    if rec is None:
+        return None
+    prev_opt = rec.optimizer() if rec.optimizer is not None else None
+    if (optimizer is not None and optimizer is not prev_opt) or rec.info.options != options:
+        raise PrepareError(
+            "this model was already prepared with other arguments (or another optimizer); "
+            "cpuddp never optimizes or wraps a model twice.",
+            fix="call cpuddp.prepare() once per model; use cpuddp.unwrap(model) to get the bare module",
+        )
+    _log.info("model already prepared; returning it unchanged")
+    return rec.outer() or model
+
+
+def _check_bare_cpu_module(model: nn.Module) -> None:
+    """Not wrapped yet (prepare wraps itself) and every parameter on the CPU."""
+    if unwrap(model) is not model:
+        raise PrepareError(
+            f"the model is already wrapped ({type(model).__name__}); prepare() would wrap it twice.",
+            fix="pass the bare module; prepare() adds DDP (and torch.compile with compile=True) itself",
+        )
+    for name, p in model.named_parameters():
+        if p.device.type != "cpu":
+            raise PrepareError(
+                f"parameter {name!r} is on {p.device}; cpuddp trains on the CPU.",
+                fix="call model.to('cpu') before prepare()",
+            )
+
+
+def _world_size(group: Any) -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(group)
+    return 1
+
+
+def _choose_path(ipex: Optional[bool], notes: list[str]) -> Optional[Any]:
+    """The IPEX probe when the IPEX path is taken, else None (the stock path)."""
+    if ipex is False:
+        return None
+    from . import ipex as _ipex
+
+    probe = _ipex.probe()
+    if ipex is True and not probe.usable:
+        raise PrepareError(
+            f"ipex=True, but IPEX cannot be used: {probe.reason}.",
+            fix="pip install intel-extension-for-pytorch matching torch's major.minor, or pass ipex=None",
+        )
+    if not probe.usable and probe.ipex_version is not None:
+        notes.append(f"IPEX not used: {probe.reason}")
+    return probe if probe.usable else None
+
+
+def _choose_precision(mixed_precision: Optional[str], strict: bool) -> tuple[Optional[torch.dtype], str]:
+    """The autocast dtype and why; warns when bf16 was asked for but fp32 it is."""
+    cpu_bf16, cpu_reason = cpu_bf16_support() if mixed_precision == "bf16" else (False, "")
+    dtype, reason = decide_precision(mixed_precision, strict=strict, cpu_bf16=cpu_bf16, reason=cpu_reason)
+    if mixed_precision == "bf16" and dtype is None:
+        warnings.warn(f"cpuddp.prepare: {reason}", stacklevel=3)
+    _log.info("precision: %s", reason)
+    return dtype, reason
+
+
+def decide_ddp(ddp: Optional[bool], *, world_size: int, wants_grad: bool) -> bool:
+    """Pure: wrap in DDP?  ``ddp=None``: when the world is above 1 and a parameter requires
+    grad; ``ddp=True`` without a parameter requiring grad is a :class:`PrepareError`."""
+    do_ddp = (world_size > 1 and wants_grad) if ddp is None else bool(ddp)
+    if do_ddp and not wants_grad:
+        raise PrepareError("ddp=True, but no parameter requires grad.", fix="pass ddp=None for evaluation-only models")
+    return do_ddp
+
+
+def _ipex_weight_dtype(ipex_mod: Any, dtype: Optional[torch.dtype], all_reduces: bool, group: Any,
+                       notes: list[str]) -> Optional[torch.dtype]:
+    """bf16 weights for ``ipex.optimize`` when bf16 is on, IPEX has them and (with DDP across
+    several ranks) the backend all-reduces bf16; else fp32 weights under bf16 autocast."""
+    if dtype is None:
+        return None
+    from . import ipex as _ipex
+
+    ok, why = _ipex.bf16_weights(ipex_mod)
+    if ok and all_reduces:
+        # IPEX's bf16 keeps bf16 weights (fp32 master copies in the optimizer), so DDP
+        # all-reduces bf16 gradients: the backend must support that.
+        ok, why = bf16_allreduce_supported(group)
+    if not ok:
+        notes.append(f"IPEX bf16 weights not used ({why}); fp32 weights under bf16 autocast")
+        return None
+    return dtype
+
+
+def _optimize_with_ipex(probe: Any, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                        dtype: Optional[torch.dtype], all_reduces: bool, group: Any, notes: list[str]) -> nn.Module:
+    from . import ipex as _ipex
+
+    ipex_mod = _ipex.load()
+    weight_dtype = _ipex_weight_dtype(ipex_mod, dtype, all_reduces, group, notes)
+    model = ipex_optimize(ipex_mod, model, optimizer, weight_dtype, notes)
+    _log.info("IPEX %s: ipex.optimize(dtype=%s) applied", probe.ipex_version, weight_dtype)
+    return model
+
+
+def _fuse_step(optimizer: Optional[torch.optim.Optimizer], fused_optimizer: bool, notes: list[str]) -> bool:
+    """The stock path: the fused-Adam switch, when there is an optimizer and it is wanted."""
+    if optimizer is None or not fused_optimizer:
+        return False
+    fused, why = fuse_optimizer(optimizer)
+    notes.append(f"optimizer: {why}")
+    _log.info("optimizer: %s", why)
+    return fused
+
+
+def _ddp_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``DistributedDataParallel`` keyword arguments: cpuddp's CPU defaults, then the user's."""
+    kw: dict[str, Any] = dict(
+        device_ids=None,
+        gradient_as_bucket_view=True,
+        static_graph=options["static_graph"],
+        find_unused_parameters=options["find_unused_parameters"],
+        process_group=options["process_group"],
+    )
+    if options["broadcast_buffers"] is not None:  # deprecated in torch 2.13; pass only when chosen
+        kw["broadcast_buffers"] = options["broadcast_buffers"]
+    if options["bucket_cap_mb"] is not None:
+        kw["bucket_cap_mb"] = options["bucket_cap_mb"]
+    kw.update(options["ddp_kwargs"])
+    return kw
+
+
+def _wrap_ddp(core: nn.Module, options: Mapping[str, Any]) -> nn.Module:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise PrepareError(
+            "ddp=True, but torch.distributed is not initialized.",
+            fix="call cpuddp.init_distributed() before cpuddp.prepare()",
+        )
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(core, **_ddp_kwargs(options))
+
+
+def _compile(module: nn.Module, compile: Union[bool, Mapping[str, Any]]) -> tuple[nn.Module, bool]:
+    if not compile:
+        return module, False
+    ckw = dict(compile) if isinstance(compile, Mapping) else {}
+    return torch.compile(module, **ckw), True  # type: ignore[return-value]
+
+
+def _remember(info: PrepareInfo, core: nn.Module, outer: nn.Module,
+              optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """Put the record on the user's module and on the outermost wrapper (for idempotency)."""
+    record = _Record(info, outer, optimizer)
+    for m in {id(core): core, id(outer): outer}.values():
+        m.__dict__[_RECORD_ATTR] = record
+    _log.info("prepared: %s", info.as_dict())
+
+
+# --------------------------------------------------------------------------- prepare
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    mixed_precision: Optional[str] = None,
+    strict: bool = False,
+    ipex: Optional[bool] = None,
+    fused_optimizer: bool = True,
+    compile: Union[bool, Mapping[str, Any]] = False,
+    ddp: Optional[bool] = None,
+    bucket_cap_mb: Optional[float] = None,
+    static_graph: bool = False,
+    find_unused_parameters: bool = False,
+    broadcast_buffers: Optional[bool] = None,
+    comm_hook: Union[None, str, Callable[..., Any], tuple] = None,
+    output_fp32: bool = True,
+    process_group: Optional[Any] = None,
+    ddp_kwargs: Optional[Mapping[str, Any]] = None,
+) -> nn.Module:
+    """Optimize ``model`` (and ``optimizer``, in place) for the CPU and wrap it in DDP.
+
+    Returns the module to train.  ``optimizer`` may be omitted (inference, evaluation).
+    ``mixed_precision``: None/"fp32" or "bf16".  ``strict``: raise
+    :class:`PrepareError` instead of warning when bf16 (or a bf16 comm hook) cannot be had.
+    ``ipex``: None uses IPEX when a matching one is installed, True requires it, False
+    never uses it.  ``ddp``: None wraps when the world size is above 1 and a parameter
+    requires grad.  See the module docstring for the rest.
+    """
+    options = dict(
+        mixed_precision=mixed_precision, strict=strict, ipex=ipex, fused_optimizer=fused_optimizer,
+        compile=compile, ddp=ddp, bucket_cap_mb=bucket_cap_mb, static_graph=static_graph,
+        find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
+        comm_hook=comm_hook, output_fp32=output_fp32, process_group=process_group,
+        ddp_kwargs=dict(ddp_kwargs or {}),
+    )
+    if not isinstance(model, nn.Module):
+        raise PrepareError(f"prepare() needs a torch.nn.Module. Got {type(model).__name__} instead.")
+    again = _already_prepared(model, optimizer, options)
+    if again is not None:
+        return again
+    _check_bare_cpu_module(model)
+    check_comm_hook(comm_hook)
+
+    notes: list[str] = []
+    world = _world_size(process_group)
+    probe = _choose_path(ipex, notes)
+    dtype, precision_reason = _choose_precision(mixed_precision, strict)
+    do_ddp = decide_ddp(ddp, world_size=world, wants_grad=any(p.requires_grad for p in model.parameters()))
+    fused = False
+    if probe is not None:
+        model = _optimize_with_ipex(probe, model, optimizer, dtype, do_ddp and world > 1, process_group, notes)
+    else:
+        fused = _fuse_step(optimizer, fused_optimizer, notes)
+    core = outer = model
+    hook_name: Optional[str] = None
+    if do_ddp:
+        outer = _wrap_ddp(core, options)
+        hook_name = register_hook(outer, comm_hook, process_group, strict, notes, stacklevel=3)
+    elif comm_hook is not None:
+        notes.append("comm_hook ignored: no DDP wrap at world size 1")
+    outer, compiled = _compile(outer, compile)
+    if dtype is not None:
+        add_autocast(outer, dtype, output_fp32)
+
+    info = PrepareInfo(
+        path="ipex" if probe is not None else "stock",
+        mixed_precision="bf16" if dtype is not None else None,
+        requested_precision=mixed_precision,
+        precision_reason=precision_reason,
+        fused_optimizer=fused,
+        ddp=do_ddp,
+        world_size=world,
+        comm_hook=hook_name,
+        compiled=compiled,
+        ipex_version=probe.ipex_version if probe is not None else None,
+        notes=tuple(notes),
+        options=options,
+    )
+    _remember(info, core, outer, optimizer)
+    return outer

@@ -1,0 +1,6 @@
+"""watchdog: naming the rank that was lost when a job fails.
+
+Owns: the per-rank monitor thread and its hooks (:mod:`.monitor`), the store protocol it
+speaks with its peers (:mod:`.store`), and its decisions, pure (:mod:`.verdict`).
+May import: :mod:`cpuddp.errors`, :mod:`cpuddp.launchers`.
+"""
