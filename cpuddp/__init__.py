@@ -113,13 +113,21 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
-    from .distributed import Session, get_env, get_session, init_distributed, session, shutdown
-    from .ranks import get_local_rank, get_local_world_size, get_rank, get_world_size, log0, print0
-    from .backends.registry import available_backends, register_backend
     from .affinity.pin import pinned
     from .affinity.plan import PinPlan
+    from .backends.registry import available_backends, register_backend
+    from .distributed import Session, get_env, get_session, init_distributed, session, shutdown
+    from .errors import (
+        BackendError,
+        CpuddpError,
+        LauncherEnvError,
+        PrepareError,
+        RankFailedError,
+        RendezvousError,
+    )
     from .launchers.env import DistEnv
     from .launchers.registry import detect, register_launcher
+    from .ranks import get_local_rank, get_local_world_size, get_rank, get_world_size, log0, print0
     from .train.loop import (
         ShardedLoader,
         autocast_for,
@@ -132,11 +140,3 @@ if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
     )
     from .train.prepare import PrepareInfo, prepare, prepared_info, unwrap
     from .train.progress import Progress, ProgressSummary
-    from .errors import (
-        BackendError,
-        CpuddpError,
-        LauncherEnvError,
-        PrepareError,
-        RankFailedError,
-        RendezvousError,
-    )

@@ -71,16 +71,17 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Optional
 
-from . import ddp_check
 from cpuddp.launchers import hosts
-from ._compat import TESTED_TORCH, check_torch_version, older_than_tested
 from cpuddp.launchers.env import DistEnv, Provenance, Source
-from .errors import BackendError, RendezvousError, first_line
 from cpuddp.launchers.exports import DEFAULT_TIMEOUT, Exports, Timeout
 from cpuddp.launchers.exports import configure_logging as _configure_logging
 from cpuddp.launchers.exports import timeout_from as _timeout
 from cpuddp.launchers.registry import detect
 from cpuddp.launchers.rendezvous import local_address, mpi_master_addr, open_store
+
+from . import ddp_check
+from ._compat import TESTED_TORCH, check_torch_version, older_than_tested
+from .errors import BackendError, RendezvousError, first_line
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.affinity.plan import PinPlan

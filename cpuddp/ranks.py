@@ -60,8 +60,9 @@ def group_rank_world(group: Any = None) -> tuple[int, int]:
 def _where() -> Any:
     """The :class:`~cpuddp.launchers.env.DistEnv` that describes this process: cpuddp's after
     :func:`~cpuddp.init_distributed` (local rank fixed from the hosts), else the launcher's."""
-    from . import distributed
     from cpuddp.launchers.registry import detect
+
+    from . import distributed
 
     env = distributed.get_env()
     return env if env is not None else detect(os.environ)

@@ -7,7 +7,17 @@ May import: :mod:`cpuddp.errors`, :mod:`cpuddp.topology`, :mod:`cpuddp.launchers
 This package is public: the names below are importable from ``cpuddp.affinity``.
 """
 
-from .pin import PinState, apply_plan, current_plan, launcher_binding, pinned, plan_for, restore, thread_affinity, thread_ids
+from .pin import (
+    PinState,
+    apply_plan,
+    current_plan,
+    launcher_binding,
+    pinned,
+    plan_for,
+    restore,
+    thread_affinity,
+    thread_ids,
+)
 from .plan import KMP_AFFINITY, KMP_BLOCKTIME, WARNING_CODES, PinPlan, PinWarning, plan_pinning
 
 __all__ = ["PinPlan", "PinWarning", "WARNING_CODES", "PinState", "plan_pinning", "plan_for", "apply_plan",

@@ -67,12 +67,13 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, MutableMapping, Optional, Sequence
 
-from .ccl import worker_count
-from .plan import PinPlan, plan_pinning
 from cpuddp.launchers.hosts import pairwise_disjoint
 from cpuddp.launchers.parsers import positive_int
 from cpuddp.topology.model import Topology, format_cpulist, parse_cpulist
 from cpuddp.topology.read import read_topology
+
+from .ccl import worker_count
+from .plan import PinPlan, plan_pinning
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv

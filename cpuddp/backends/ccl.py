@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence, Tuple
 
 from cpuddp._compat import torch_pairing
+
 from .types import BackendStatus, Lookups, _canon, _torch_version, _truthy
 
 __all__ = ["CCL_DISTRIBUTIONS", "CCL_EXACT_TORCH", "SKIP_VERSION_CHECK_VAR", "ccl_module_for", "ccl_pairing",

@@ -34,8 +34,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
-from .cache import atomic_write_text, locked
 from cpuddp.errors import LauncherEnvError, how_it_ended
+
+from .cache import atomic_write_text, locked
 
 __all__ = ["ImportVerdict", "check_import", "probe_import", "cache_dir", "package_files", "TIMEOUT_VAR"]
 

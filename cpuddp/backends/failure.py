@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Mapping, Tuple
 
-from .settings import _FI_PROVIDER_GLOB, _IMPI_ROOT_VARS, _has
 from cpuddp.errors import BackendError
+
+from .settings import _FI_PROVIDER_GLOB, _IMPI_ROOT_VARS, _has
 
 __all__ = ["explain_collective_failure"]
 

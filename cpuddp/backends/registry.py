@@ -31,10 +31,10 @@ trusts the binding.
 Loading (:func:`load_backend`) imports torch first, then the backend's module, and checks
 that the module registered the backend name with ``torch.distributed``.
 
-Configuring (:func:`backend_env`, pure) returns the variables to export before
-``init_process_group``; a variable the user set is never in it (the table is in
+Configuring (:func:`cpuddp.backends.settings.backend_env`, pure) returns the variables to export
+before ``init_process_group``; a variable the user set is never in it (the table is in
 :mod:`cpuddp.backends.settings`).  A first collective that fails is explained by
-:func:`explain_collective_failure`.
+:func:`cpuddp.backends.failure.explain_collective_failure`.
 
 The rest of the area lives beside this module (its package docstring lists it), and every
 public name is importable from :mod:`cpuddp.backends`.
@@ -51,6 +51,8 @@ import re
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
+from cpuddp.errors import BackendError
+
 from .auto import AutoFacts, auto_rule, inter_leg
 from .ccl import ccl_fix, ccl_status
 from .types import (
@@ -63,7 +65,6 @@ from .types import (
     _lookups,
     _torch_version,
 )
-from cpuddp.errors import BackendError
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv

@@ -39,11 +39,18 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Tuple, Union
 
-from cpuddp.affinity.ccl import DEFAULT_WORKERS, WORKER_AFFINITY_VAR, WORKER_COUNT_VAR, worker_affinity, worker_count
+from cpuddp.affinity.ccl import (
+    DEFAULT_WORKERS,
+    WORKER_AFFINITY_VAR,
+    WORKER_COUNT_VAR,
+    worker_affinity,
+    worker_count,
+)
+from cpuddp.launchers.netif import Route, is_loopback_address
+from cpuddp.launchers.parsers import is_loopback
+
 from .auto import INTER_VAR
 from .types import BackendChoice
-from cpuddp.launchers.parsers import is_loopback
-from cpuddp.launchers.netif import Route, is_loopback_address
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv

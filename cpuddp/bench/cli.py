@@ -66,6 +66,7 @@ import sys
 from typing import Any, Mapping, Optional, Sequence
 
 from cpuddp._units import parse_size
+
 from .sweep import ALIASES, COLLECTIVES, DTYPES, EXIT_ERROR, EXIT_USAGE, sweep_sizes
 
 __all__ = ["add_arguments", "parse_backends", "run", "main"]

@@ -15,6 +15,7 @@ import sys
 from typing import Mapping, Optional, Sequence
 
 from cpuddp import _procs
+
 from .sweep import EXIT_ERROR
 
 __all__ = ["CHILD_MARK", "spawn"]

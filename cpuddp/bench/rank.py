@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from cpuddp.topology.model import format_cpulist
+
 from . import report
 from .report import out
 from .sweep import DTYPES, EXIT_OK, EXIT_WRONG, Row, backend_row, make_row, shaped_sizes, summarize

@@ -12,6 +12,7 @@ import sys
 from typing import Any, Mapping, Optional, Sequence
 
 from cpuddp._units import format_size
+
 from .sweep import Row
 
 __all__ = [

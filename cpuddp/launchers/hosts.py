@@ -25,8 +25,9 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
-from . import store_values
 from cpuddp.errors import RendezvousError
+
+from . import store_values
 
 __all__ = [
     "host_identity",

@@ -19,8 +19,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Union
 
-from .env import Provenance
 from cpuddp.errors import LauncherEnvError
+
+from .env import Provenance
 from .parsers import expand_nodelist, expand_tasks_per_node, is_loopback
 
 log = logging.getLogger("cpuddp")

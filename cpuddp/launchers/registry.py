@@ -55,8 +55,9 @@ import re
 import threading
 from typing import Any, Mapping, Optional, Union
 
-from .env import DEFAULT_PORT, DistEnv, Provenance
 from cpuddp.errors import LauncherEnvError
+
+from .env import DEFAULT_PORT, DistEnv, Provenance
 from .parsers import derive_port
 from .readers import BUILTIN_READERS, LauncherReader, PartialEnv
 

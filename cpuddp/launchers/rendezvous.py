@@ -25,8 +25,9 @@ import socket
 import time
 from typing import Any, NamedTuple, Optional
 
-from .env import DistEnv
 from cpuddp.errors import LauncherEnvError, RendezvousError, first_line
+
+from .env import DistEnv
 from .parsers import is_loopback
 from .registry import LAUNCHER_NAMES
 from .store_values import job_key_value, shown

@@ -35,11 +35,12 @@ import subprocess
 import sys
 from typing import Mapping, Optional, Sequence
 
-from .settings import DEFAULTS, find_allocator, openmp_runtime, settings_env
-from .launch import MPI_NAMES, Launch, mpi_command, mpi_family, parse_hostfile, srun_command, torchrun_command
-from .plan import RunPlan, RunPlanError, plan_run, plan_table
 from cpuddp.topology.model import Topology, synthetic_topology
 from cpuddp.topology.read import read_topology
+
+from .launch import MPI_NAMES, Launch, mpi_command, mpi_family, parse_hostfile, srun_command, torchrun_command
+from .plan import RunPlan, RunPlanError, plan_run, plan_table
+from .settings import DEFAULTS, find_allocator, openmp_runtime, settings_env
 
 __all__ = ["add_arguments", "run", "prepare_job"]
 

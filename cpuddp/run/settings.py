@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Mapping, Optional
 
 from cpuddp.affinity.plan import KMP_AFFINITY, KMP_BLOCKTIME
+
 from .plan import RunPlanError
 
 __all__ = ["ALLOCATORS", "AUTO_ALLOCATORS", "LIB_DIRS", "DEFAULTS", "find_allocator", "openmp_runtime", "settings_env"]

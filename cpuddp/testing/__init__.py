@@ -12,7 +12,13 @@ loads it as a plugin (entry point ``pytest11: cpuddp``, or ``pytest_plugins = ["
 the plugin's hooks and fixtures are handed on here when pytest is installed.
 """
 
-from .world import LAUNCHER_ENV_NAMES, LAUNCHER_ENV_PREFIXES, clean_environ, is_launcher_variable, run_distributed
+from .world import (
+    LAUNCHER_ENV_NAMES,
+    LAUNCHER_ENV_PREFIXES,
+    clean_environ,
+    is_launcher_variable,
+    run_distributed,
+)
 
 try:
     import pytest  # noqa: F401  (run_distributed works without pytest; the plugin needs it)

@@ -13,6 +13,7 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 from cpuddp import _procs
+
 from .ship import ModuleRef, RankFinder
 
 __all__ = ["Report", "rank_main", "trim_stack"]

@@ -79,6 +79,7 @@ __all__ = ["run_distributed", "clean_environ", "is_launcher_variable", "LAUNCHER
 
 from cpuddp import _procs
 from cpuddp.launchers import registry as _launchers
+
 from .rank import Report as _Report
 from .rank import rank_main as _rank_main
 from .rank import trim_stack as _trim_stack

@@ -29,11 +29,12 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from cpuddp.affinity import pin as affinity
-from . import prepare as preparation
 from cpuddp.errors import CpuddpError, PrepareError
+from cpuddp.ranks import group_rank_world as _rank_world
+
+from . import prepare as preparation
 from .checkpoint import write_atomically
 from .prepare import prepared_info, unwrap
-from cpuddp.ranks import group_rank_world as _rank_world
 
 __all__ = [
     "ShardedLoader",

@@ -69,6 +69,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpuddp.errors import PrepareError
+
 from .comm import bf16_allreduce_hook, bf16_allreduce_supported, check_comm_hook, register_hook
 from .optim import fuse_optimizer, ipex_optimize
 from .precision import AutocastHooks as _AutocastHooks  # noqa: F401 -- pickles made before the split

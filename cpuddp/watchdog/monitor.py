@@ -62,10 +62,19 @@ from typing import Any, Callable, Optional
 
 from cpuddp.errors import RendezvousError, first_line
 from cpuddp.launchers.hosts import host_identity, pid_alive
+
 from .store import StoreClient
 from .verdict import (
-    HeartbeatClock, PeerInfo, Snapshot, decide, describe, linger_waiting, local_ranks,
-    looks_like_comm_failure, ranks_to_watch, store_gone,
+    HeartbeatClock,
+    PeerInfo,
+    Snapshot,
+    decide,
+    describe,
+    linger_waiting,
+    local_ranks,
+    looks_like_comm_failure,
+    ranks_to_watch,
+    store_gone,
 )
 
 __all__ = ["start", "stop", "running", "diagnose", "INTERVAL", "STALE", "OP_TIMEOUT"]

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any, Optional
 
 from cpuddp.launchers.store_values import MAX_HOST, MAX_PID, MAX_VALUE, bad_value, int_field, text_value
+
 from .verdict import PeerInfo
 
 __all__ = ["StoreClient", "parse_info", "parse_failed", "parse_ranks", "parse_counter", "MAX_DESCRIPTION"]

@@ -74,11 +74,12 @@ from typing import Any, Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import check as shm_check
-from .segment import STATE_LEFT, C_STATE, map_segment, parse_who, plan_node, whoami
 from cpuddp.errors import BackendError
+
+from . import check as shm_check
 from .agree import Call, encode
 from .path import SUPPORTED_DTYPES, DataPath
+from .segment import C_STATE, STATE_LEFT, map_segment, parse_who, plan_node, whoami
 
 __all__ = ["NAME", "ShmProcessGroup", "register", "eligibility", "SUPPORTED_DTYPES", "INTER_VAR"]
 

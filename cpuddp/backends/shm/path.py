@@ -18,10 +18,11 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import check as shm_check
-from .segment import C_CHECKED, C_STATE, STATE_LEFT, W_ABORT, NodePlan, Segment
 from cpuddp.launchers.hosts import pid_alive
+
+from . import check as shm_check
 from .agree import Call, Ring, describe
+from .segment import C_CHECKED, C_STATE, STATE_LEFT, W_ABORT, NodePlan, Segment
 
 log = logging.getLogger("cpuddp.shm")
 

@@ -38,9 +38,10 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import check as shm_check
 from cpuddp.errors import BackendError
 from cpuddp.launchers.hosts import host_identity, pid_alive
+
+from . import check as shm_check
 
 log = logging.getLogger("cpuddp.shm")
 
