@@ -22,7 +22,7 @@ import importlib
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
+from ._package import __version__, lazy_names
 
 # public name -> module that defines it
 _EXPORTS = {
@@ -93,23 +93,17 @@ _DEPRECATED = {
 __all__ = sorted(["__version__", *_EXPORTS])
 
 
+_load, __dir__ = lazy_names(__name__, _EXPORTS)
+
+
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(f"cpuddp.{module}"), name)
-        globals()[name] = value
-        return value
     if name in _DEPRECATED:
         module, new = _DEPRECATED[name]
         path = f"cpuddp.{new}" if new in _EXPORTS else f"cpuddp.{module}.{new}"
         warnings.warn(f"cpuddp.{name} is deprecated and goes in the next release; use {path}",
                       DeprecationWarning, stacklevel=2)
         return getattr(importlib.import_module(f"cpuddp.{module}"), new)
-    raise AttributeError(f"module 'cpuddp' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return _load(name)
 
 
 if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)

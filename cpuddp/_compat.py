@@ -161,7 +161,7 @@ def versions(keys: Optional[Tuple[str, ...]] = None, *, lookup: Optional[Callabl
     Read with ``lookup(distribution)`` (default: ``importlib.metadata``), so nothing is
     imported; with ``imported_torch`` an already imported torch answers with its own
     ``__version__``.  None for a package that is not installed; cpuddp itself falls back to
-    ``cpuddp.__version__`` (a source checkout; :mod:`cpuddp._version`).  ``cpuddp doctor`` and ``cpuddp bench`` both
+    ``cpuddp.__version__`` (a source checkout; :mod:`cpuddp._package`).  ``cpuddp doctor`` and ``cpuddp bench`` both
     report these.
     """
     import platform
@@ -171,7 +171,7 @@ def versions(keys: Optional[Tuple[str, ...]] = None, *, lookup: Optional[Callabl
     if imported_torch and "torch" in out and "torch" in sys.modules:
         out["torch"] = str(getattr(sys.modules["torch"], "__version__", out["torch"]))
     if "cpuddp" in out and out["cpuddp"] is None:
-        from ._version import __version__
+        from ._package import __version__
 
         out["cpuddp"] = __version__
     out["python"] = platform.python_version()

@@ -21,7 +21,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cpuddp"
 #: for ``cpuddp/backends/shm/group.py``, ``distributed`` for ``cpuddp/distributed.py``); the
 #: package's own ``__init__`` is "public names", the top.
 LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
-    {"base": ("errors", "_units", "_compat", "_version")},
+    {"base": ("errors", "_units", "_compat", "_package")},
     {"topology": ("topology",)},
     {"launchers": ("launchers",)},
     {"affinity": ("affinity",)},

@@ -1,0 +1,40 @@
+"""The package's own facts and mechanics: its version, and public names loaded on first use.
+
+``__version__`` is written here once (pyproject.toml reads it).  :func:`lazy_names` gives a
+package the ``__getattr__`` and ``__dir__`` (PEP 562) that load each public name from its module
+on first use: ``cpuddp`` itself and its public subpackages (``cpuddp.backends``,
+``cpuddp.launchers``, ``cpuddp.topology``, ``cpuddp.affinity``, ``cpuddp.testing``) use it, so
+importing one module of an area never imports the rest of the area, and ``import cpuddp`` stays
+light.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any, Callable, Mapping, Tuple
+
+__version__ = "0.1.0"
+
+__all__ = ["__version__", "lazy_names"]
+
+
+def lazy_names(package: str, exports: Mapping[str, str]) -> Tuple[Callable[[str], Any], Callable[[], list]]:
+    """``(__getattr__, __dir__)`` for ``package``, whose public ``name`` lives in
+    ``package + "." + exports[name]``.  A loaded name is kept in the package, so the module is
+    asked once; any other name is an ``AttributeError`` (which also lets ``from package import
+    submodule`` find a submodule)."""
+    namespace = sys.modules[package].__dict__
+
+    def __getattr__(name: str) -> Any:
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        namespace[name] = value
+        return value
+
+    def __dir__() -> list:
+        return sorted(set(namespace) | set(exports))
+
+    return __getattr__, __dir__
