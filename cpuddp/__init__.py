@@ -11,9 +11,10 @@ module on first use.
 The top level holds what a training script uses (README.md, "Public API"); introspection
 and extension details stay in their public subpackages (``cpuddp.backends``, ``cpuddp.launchers``,
 ``cpuddp.topology``, ``cpuddp.affinity``, ``cpuddp.shm``, ``cpuddp.testing``, ``cpuddp.lightning``).
-How the package is laid out, and which area may import which: docs/code.md.  ``_EXPORTS`` below is the one list: ``__all__``
-is built from it, and tests/test_api.py pins it, the TYPE_CHECKING imports and the
-deprecated aliases together.
+How the package is laid out, and which area may import which: docs/code.md.
+
+``_EXPORTS`` below is the one list: ``__all__`` is built from it, and tests/test_api.py pins
+it, the TYPE_CHECKING imports and the deprecated aliases together.
 """
 
 from __future__ import annotations

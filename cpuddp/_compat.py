@@ -161,8 +161,8 @@ def versions(keys: Optional[Tuple[str, ...]] = None, *, lookup: Optional[Callabl
     Read with ``lookup(distribution)`` (default: ``importlib.metadata``), so nothing is
     imported; with ``imported_torch`` an already imported torch answers with its own
     ``__version__``.  None for a package that is not installed; cpuddp itself falls back to
-    ``cpuddp.__version__`` (a source checkout; :mod:`cpuddp._package`).  ``cpuddp doctor`` and ``cpuddp bench`` both
-    report these.
+    ``cpuddp.__version__`` (a source checkout; :mod:`cpuddp._package`).  ``cpuddp doctor`` and
+    ``cpuddp bench`` both report these.
     """
     import platform
 
