@@ -9,7 +9,7 @@ oneCCL bindings, mpi4py, transformers, py-cpuinfo).  Each public name is loaded 
 module on first use.
 
 The top level holds what a training script uses (README.md, "Public API"); introspection
-and extension details stay in their public subpackages (``cpuddp.backends``, ``cpuddp.launchers``,
+and extension details stay in their public submodules (``cpuddp.backends``, ``cpuddp.launchers``,
 ``cpuddp.topology``, ``cpuddp.affinity``, ``cpuddp.shm``, ``cpuddp.testing``, ``cpuddp.lightning``).
 How the package is laid out, and which area may import which: docs/code.md.
 

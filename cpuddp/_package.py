@@ -21,18 +21,17 @@ __all__ = ["__version__", "lazy_names"]
 
 def lazy_names(package: str, exports: Mapping[str, str]) -> Tuple[Callable[[str], Any], Callable[[], list]]:
     """``(__getattr__, __dir__)`` for ``package``, whose public ``name`` lives in
-    ``package + "." + exports[name]``.  A loaded name is kept in the package, so the module is
-    asked once; any other name is an ``AttributeError`` (which also lets ``from package import
-    submodule`` find a submodule)."""
+    ``package + "." + exports[name]``.  Each access asks the module (once imported, a dictionary
+    lookup), so a name its module rebinds, such as :data:`cpuddp.launchers.READERS` after
+    ``register_launcher``, is never stale.  Any other name is an ``AttributeError`` (which also
+    lets ``from package import submodule`` find a submodule)."""
     namespace = sys.modules[package].__dict__
 
     def __getattr__(name: str) -> Any:
         module = exports.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{package}.{module}"), name)
-        namespace[name] = value
-        return value
+        return getattr(importlib.import_module(f"{package}.{module}"), name)
 
     def __dir__() -> list:
         return sorted(set(namespace) | set(exports))

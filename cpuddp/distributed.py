@@ -12,7 +12,7 @@ Usage::
 
 The order, and why:
 
-1. **Detect** (:func:`cpuddp.launchers.registry`): a malformed environment fails before anything
+1. **Detect** (:func:`cpuddp.launchers.detect`): a malformed environment fails before anything
    starts, and before torch is imported.
 2. **Meet** (:mod:`cpuddp.launchers.rendezvous`): join the job's store -- torchrun's agent store, or a
    TCP store rank 0 hosts -- and nothing else yet.
@@ -427,20 +427,13 @@ def _first_collective(env: DistEnv, backend: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from cpuddp.backends import registry as backends
+    from cpuddp.backends.failure import explain_collective_failure
 
     t = torch.ones(1)
     try:
         dist.all_reduce(t)
     except Exception as exc:
-        explain = getattr(backends, "explain_collective_failure", None)
-        if explain is not None:
-            raise explain(backend, os.environ, exc) from exc
-        raise BackendError(
-            f"rank {env.rank}: the {backend} group formed, but its first all_reduce failed: "
-            f"{type(exc).__name__}: {first_line(exc)}",
-            fix="pass backend='gloo' to rule the backend out, and check every rank's log",
-        ) from exc
+        raise explain_collective_failure(backend, os.environ, exc) from exc
     if t.item() != env.world_size:
         raise BackendError(
             f"rank {env.rank}: the {backend} group's first all_reduce gave {t.item()}, not {env.world_size}",

@@ -13,7 +13,7 @@ Kubeflow PyTorchJob, or as plain ``python train.py`` (Lightning then starts the 
 plain ``python`` run: the strategy calls it in every process once the ranks exist.
 
 - :func:`cluster_environment`: a Lightning ``ClusterEnvironment`` whose ranks come from
-  :func:`cpuddp.launchers.registry` (every launcher cpuddp reads; no mpi4py).  The strategies use
+  :func:`cpuddp.launchers.detect` (every launcher cpuddp reads; no mpi4py).  The strategies use
   it whenever a launcher started the process; without one, Lightning's own environment
   launches the ranks.
 - :func:`trainer_strategy` / :func:`fabric_strategy`: Lightning's ``DDPStrategy`` whose
@@ -133,7 +133,7 @@ def _classes(package: str) -> dict[str, type]:
     fabric_ddp = importlib.import_module(f"{fabric_pkg}.strategies").DDPStrategy
 
     class CpuddpEnvironment(envs.ClusterEnvironment):  # type: ignore[misc, name-defined]
-        """Ranks from :func:`cpuddp.launchers.registry`: Intel MPI, MPICH, Open MPI, MVAPICH, PMIx,
+        """Ranks from :func:`cpuddp.launchers.detect`: Intel MPI, MPICH, Open MPI, MVAPICH, PMIx,
         Slurm, torchrun, Kubeflow -- no mpi4py.  The launcher starts the processes."""
 
         _cpuddp = True

@@ -7,7 +7,7 @@ answer at any time, so a script can ask before :func:`cpuddp.init_distributed`:
   ``torch.distributed.init_process_group``): the group's rank and size; the local rank and
   size are those :func:`cpuddp.init_distributed` fixed from the hosts, else the launcher's;
 * without one, under a launcher (torchrun, mpirun/mpiexec, srun, Kubeflow): the launcher's
-  values, read by :func:`cpuddp.launchers.registry` from ``os.environ``;
+  values, read by :func:`cpuddp.launchers.detect` from ``os.environ``;
 * in plain ``python``: rank 0 of 1.
 
 A half-set launcher environment raises :class:`~cpuddp.errors.LauncherEnvError`, as

@@ -91,7 +91,8 @@ SUBMODULES = {
         "READERS", "LAUNCHER_NAMES", "LauncherReader", "PartialEnv", "Variables", "register_launcher",
         "unregister_launcher", "registered_launchers", "detect", "expand_nodelist", "expand_tasks_per_node",
         "derive_port", "is_loopback", "LAUNCHER_ENV_PREFIXES", "LAUNCHER_ENV_NAMES", "is_launcher_variable",
-        "clean_environ", "BACKEND_ENV_PREFIXES", "BACKEND_ENV_NAMES"},
+        "clean_environ", "BACKEND_ENV_PREFIXES", "BACKEND_ENV_NAMES",
+        "Provenance", "Source"},  # added with the move: site launchers build Provenance values
     "cpuddp.affinity": {
         "PinPlan", "PinWarning", "WARNING_CODES", "PinState", "plan_pinning", "plan_for", "apply_plan", "restore",
         "pinned", "current_plan", "thread_affinity", "thread_ids", "launcher_binding", "KMP_AFFINITY",
@@ -195,3 +196,19 @@ def test_rank_queries_and_rank0_output_stay_light():
             "assert (cpuddp.get_local_rank(), cpuddp.get_local_world_size()) == (0, 1)\n"
             "cpuddp.print0('x'); cpuddp.log0('y')")
     assert _imported_heavy(code) == []
+
+
+def test_a_name_its_module_rebinds_is_never_stale_at_the_door():
+    """``cpuddp.launchers.READERS`` is rebound by every (un)registration: the door asks each time."""
+    import cpuddp.launchers as launchers
+
+    class Site(launchers.LauncherReader):
+        description = "a test site"
+
+    before = launchers.READERS
+    launchers.register_launcher("test_site", Site)
+    try:
+        assert launchers.READERS is not before and "test_site" in dict(launchers.READERS)
+    finally:
+        launchers.unregister_launcher("test_site")
+    assert "test_site" not in dict(launchers.READERS)

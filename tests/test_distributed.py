@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 
 import cpuddp
-from cpuddp.distributed import Session, _timeout, get_session
+from cpuddp.distributed import Session, get_session
+from cpuddp.launchers.exports import timeout_from as _timeout
 from cpuddp.launchers.env import DistEnv
 from cpuddp.errors import RendezvousError
 
@@ -122,3 +123,18 @@ def test_real_gloo_group(run_distributed, world_size):
     out = run_distributed(_allreduce_rank, world_size=world_size, timeout=90)
     total = world_size * (world_size + 1) / 2
     assert out == [{"rank": r, "sum": total, "backend": "gloo", "launcher": "env"} for r in range(world_size)]
+
+
+def test_a_failed_first_collective_is_explained_with_the_transport_and_the_fix(monkeypatch):
+    """The group formed but cannot communicate: init's check raises the backend's explanation."""
+    from cpuddp.distributed import _first_collective
+    from cpuddp.errors import BackendError
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("oneCCL: atl_ofi.cpp: failed to initialize ATL")
+
+    monkeypatch.setattr(dist, "all_reduce", broken)
+    monkeypatch.setenv("CCL_ATL_TRANSPORT", "ofi")
+    with pytest.raises(BackendError, match="failed to initialize ATL") as info:
+        _first_collective(DistEnv(world_size=2), "ccl")
+    assert "oneCCL transport CCL_ATL_TRANSPORT=ofi" in str(info.value)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 import pytest
 
 from cpuddp.doctor import command as doctor
-from cpuddp.doctor.command import collect, version_match
+from cpuddp.doctor.command import collect
 from cpuddp.doctor.diagnose import diagnose
 from cpuddp.doctor.text import format_text
 
@@ -44,22 +44,6 @@ def _rec(code: str, message: str, fix: str = "") -> dict[str, str]:
 
 def codes(warnings: list[dict[str, str]]) -> list[str]:
     return [w["code"] for w in warnings]
-
-
-@pytest.mark.parametrize(
-    "torch_v, other, expected",
-    [
-        ("2.13.0+cpu", "2.13.10", True),
-        ("2.8.0+cpu", "2.8.0", True),
-        ("2.13.0", "2.8.0", False),  # "2.13" > "2.8" as versions, < as strings
-        ("2.10.1", "2.1.0", False),
-        ("2.13.0", None, None),
-        (None, "2.8.0", None),
-        ("2.13.0", "not-a-version", False),
-    ],
-)
-def test_version_match(torch_v: Optional[str], other: Optional[str], expected: Optional[bool]) -> None:
-    assert version_match(torch_v, other) is expected
 
 
 def test_quiet_single_process() -> None:

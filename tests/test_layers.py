@@ -181,3 +181,21 @@ def test_a_subpackage_imports_only_what_its_docstring_allows(package):
 def test_at_most_a_dozen_modules_sit_at_the_top():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert len(top) <= 12, top
+
+
+def test_every_module_named_in_a_string_exists():
+    """Lookups by name (``sys.modules.get``, ``import_module``, a backend's ``module=``) are no
+    arrows for the checks above: each name they use must still be a module of the package."""
+    named = set()
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            args = list(node.args) + [k.value for k in node.keywords if k.arg == "module"]
+            func = ast.unparse(node.func)
+            if func.endswith(("modules.get", "import_module")) or any(k.arg == "module" for k in node.keywords):
+                named |= {(module, a.value) for a in args
+                          if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.startswith("cpuddp.")}
+    assert named, "the scan found no lookup by name: it is broken"
+    missing = [f"{m} names {n}" for m, n in sorted(named) if n not in MODULES]
+    assert not missing, "no such module:\n" + "\n".join(missing)

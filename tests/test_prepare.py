@@ -19,7 +19,7 @@ from cpuddp.train.comm import bf16_allreduce_hook
 from cpuddp.train.precision import decide_precision
 from cpuddp.train.prepare import prepare, prepared_info, unwrap
 
-# the module, not the function of the same name (see the name clash guard in prepare.py)
+# the module, not the function of the same name that ``cpuddp.prepare`` is
 prepare_mod = importlib.import_module("cpuddp.train.prepare")
 IPEX = _ipex.probe()
 needs_ipex = pytest.mark.skipif(not IPEX.usable, reason=f"IPEX not usable here: {IPEX.reason}")

@@ -289,7 +289,8 @@ def test_checks_stay_light_and_the_module_registers_once():
     code = ("import sys, cpuddp.backends.shm.check, cpuddp.backends as b; assert 'torch' not in sys.modules; "
             "print(b.backend_status('shm').available); "
             "import cpuddp.shm, importlib, torch.distributed as d; cpuddp.shm.register(); "
-            "importlib.reload(cpuddp.shm); print(d.Backend.backend_list.count('shm'), d.Backend.SHM)")
+            "importlib.reload(sys.modules['cpuddp.backends.shm.group']); "
+            "print(d.Backend.backend_list.count('shm'), d.Backend.SHM)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "1", "shm"]

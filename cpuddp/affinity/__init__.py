@@ -1,7 +1,7 @@
 """affinity: which CPUs and how many threads each local rank gets, and applying that.
 
-Owns: the planner, pure (:mod:`.plan`), oneCCL's worker threads (:mod:`.ccl`), and applying,
-reading and restoring a plan in this process (:mod:`.pin`).
+Owns: the planner, pure (:mod:`.plan`), oneCCL's worker threads (:mod:`.ccl_workers`), and
+applying, reading and restoring a plan in this process (:mod:`.pin`).
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp._package`, :mod:`cpuddp.topology`,
 :mod:`cpuddp.launchers`.
 

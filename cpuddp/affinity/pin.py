@@ -12,7 +12,8 @@ opts out) and keeps the plan in its session (``cpuddp.get_session().pin_plan``);
 :func:`current_plan` returns the plan in force.
 
 The rules (:func:`plan_pinning`, a pure function of a :class:`~cpuddp.topology.Topology`,
-in :mod:`cpuddp.affinity.plan` with :class:`PinPlan` and its :class:`PinWarning` records):
+in :mod:`cpuddp.affinity.plan` with :class:`~cpuddp.affinity.plan.PinPlan` and its
+:class:`~cpuddp.affinity.plan.PinWarning` records):
 
 - Each local rank gets whole physical cores from the usable set (allowed ∩ online ∩ cgroup
   cpuset), disjoint from every other local rank's.  Placement depends only on (topology,
@@ -25,7 +26,7 @@ in :mod:`cpuddp.affinity.plan` with :class:`PinPlan` and its :class:`PinWarning`
   more local ranks than physical cores; then one logical CPU per rank.  More ranks than
   logical CPUs: ranks share CPUs, one thread each, and a warning gives the numbers.
 - Backend ``ccl``: the first ``CCL_WORKER_COUNT`` (default 1; read by
-  :func:`cpuddp.affinity.ccl.worker_count`, which refuses what oneCCL refuses, e.g. 0) cores
+  :func:`cpuddp.affinity.ccl_workers.worker_count`, which refuses what oneCCL refuses, e.g. 0) cores
   of each rank's share go to oneCCL's workers (``CCL_WORKER_AFFINITY``), when the share has
   more than that; else the workers share the compute cores, with a warning.
 - Threads = CPUs in the plan, capped by the rank's part of a cgroup CPU quota.
@@ -72,7 +73,7 @@ from cpuddp.launchers.parsers import positive_int
 from cpuddp.topology.model import Topology, format_cpulist, parse_cpulist
 from cpuddp.topology.read import read_topology
 
-from .ccl import worker_count
+from .ccl_workers import worker_count
 from .plan import PinPlan, plan_pinning
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -15,7 +15,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Union
 
 from cpuddp.topology.model import Topology, format_cpulist
 
-from .ccl import WORKER_AFFINITY_VAR, WORKER_COUNT_VAR, worker_affinity
+from .ccl_workers import WORKER_AFFINITY_VAR, WORKER_COUNT_VAR, worker_affinity
 
 __all__ = ["PinWarning", "PinPlan", "plan_pinning", "KMP_AFFINITY", "KMP_BLOCKTIME", "WARNING_CODES"]
 

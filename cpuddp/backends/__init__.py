@@ -11,7 +11,7 @@ May import: :mod:`cpuddp.errors`, :mod:`cpuddp._units`, :mod:`cpuddp._compat`, :
 
 This package is public: the names below are importable from ``cpuddp.backends``, each loaded
 from its module on first use (importing one module of the area never imports the rest; none
-imports torch or a binding).
+of these names imports torch or a binding).
 """
 
 from __future__ import annotations

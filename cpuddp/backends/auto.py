@@ -28,7 +28,8 @@ from typing import Optional
 
 __all__ = ["AutoFacts", "AutoDecision", "auto_rule", "inter_leg", "RULE", "INTER_VAR", "AUTO_CHOICES"]
 
-#: The shm group's node-to-node leg, read by :mod:`cpuddp.shm` when it forms its cross-node group.
+#: The shm group's node-to-node leg, read by :mod:`cpuddp.backends.shm.group` when it forms its
+#: cross-node group.
 INTER_VAR = "CPUDDP_SHM_INTER"
 #: The backends "auto" can end on, in the rule's order (docs and error messages list these).
 AUTO_CHOICES = ("shm", "ccl", "gloo", "nccl")

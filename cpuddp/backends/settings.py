@@ -27,7 +27,7 @@ Configuring (:func:`backend_env`, pure) returns the variables to export before
 Environment variables read: the ones above (to leave the user's alone), ``CCL_ROOT``,
 ``ONEAPI_ROOT``, Intel MPI's ``I_MPI_HYDRA_*`` (to tell its Hydra from MPICH's).  Written:
 none (:func:`cpuddp.init_distributed` exports).  Loopback is :func:`cpuddp.launchers.is_loopback`'s
-call; ``CCL_WORKER_COUNT``/``CCL_WORKER_AFFINITY`` are :mod:`cpuddp.affinity.ccl`'s.
+call; ``CCL_WORKER_COUNT``/``CCL_WORKER_AFFINITY`` are :mod:`cpuddp.affinity.ccl_workers`'s.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Tuple, Union
 
-from cpuddp.affinity.ccl import (
+from cpuddp.affinity.ccl_workers import (
     DEFAULT_WORKERS,
     WORKER_AFFINITY_VAR,
     WORKER_COUNT_VAR,
@@ -254,7 +254,7 @@ def _provider_dir(environ: Mapping[str, str]) -> Optional[str]:
 
 def _worker_affinity(env: "DistEnv", plan: Any, count: int) -> Optional[str]:
     """``CCL_WORKER_AFFINITY`` from the plan's CPUs for this rank's oneCCL workers, built by
-    :func:`cpuddp.affinity.ccl.worker_affinity` (the string the plan itself exports)."""
+    :func:`cpuddp.affinity.ccl_workers.worker_affinity` (the string the plan itself exports)."""
     cpus = tuple(getattr(plan, "ccl_worker_cpus", None) or ()) if plan is not None else ()
     if not cpus:
         # No CPU to spare: the workers share this rank's own cores.  Left unset, oneCCL's

@@ -47,8 +47,8 @@ all sizes, as nccl-tests' ``NCCL_TESTS_MIN_BW``) is below ``--min-busbw``.
 ``--backend a,b,...`` times each backend in the same ranks (the default group is the first's;
 the others get ``new_group(backend=...)``), ``--rounds`` rounds per size and backend in ABBA
 order, and prints the median round of each and the speed-up of each over the first.  Rank
-information is exchanged with two tensor collectives (:func:`exchange_json`), not
-``all_gather_object``, which needs numpy.  Teardown is bounded (:data:`TEARDOWN_TIMEOUT`).
+information is exchanged with two tensor collectives (:func:`cpuddp.bench.rank.exchange_json`), not
+``all_gather_object``, which needs numpy.  Teardown is bounded (:data:`cpuddp.bench.rank.TEARDOWN_TIMEOUT`).
 
 Environment read: the launcher's variables (see :mod:`cpuddp.launchers`);
 ``CPUDDP_BENCH_CHILD`` marks a rank started by ``--nproc`` (internal).

@@ -57,7 +57,7 @@ from .collect import (
 from .diagnose import diagnose, version_warnings
 from .text import format_text
 
-__all__ = ["collect", "diagnose", "format_text", "version_match", "add_arguments", "run", "main"]
+__all__ = ["collect", "diagnose", "format_text", "add_arguments", "run", "main"]
 
 EXIT_WARNINGS = 3
 
@@ -77,19 +77,6 @@ def _dist_version(name: str) -> Optional[str]:
         return md.version(name)
     except md.PackageNotFoundError:
         return None
-
-
-def version_match(torch_version: Optional[str], other: Optional[str]) -> Optional[bool]:
-    """True when ``other`` is built for ``torch_version`` (same major.minor), None if either is missing.
-
-    Deprecated: kept for one release; it calls :func:`cpuddp._compat.torch_pairing`, the one
-    rule, which says also what the package was built for.
-    """
-    if not torch_version or not other:
-        return None
-    from cpuddp._compat import torch_pairing
-
-    return torch_pairing(other, torch_version).ok
 
 
 def _versions() -> dict[str, Any]:

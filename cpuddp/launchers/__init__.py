@@ -38,12 +38,15 @@ _EXPORTS = {
     "clean_environ": "registry",
     "BACKEND_ENV_PREFIXES": "registry",
     "BACKEND_ENV_NAMES": "registry",
+    "Provenance": "env",
+    "Source": "env",
 }
 
 __all__ = list(_EXPORTS)
 __getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
 if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
+    from .env import Provenance, Source
     from .parsers import derive_port, expand_nodelist, expand_tasks_per_node, is_loopback
     from .readers import LauncherReader, PartialEnv, Variables
     from .registry import (

@@ -3,7 +3,7 @@
 :class:`DistEnv` holds the launcher's facts (rank, sizes, rendezvous address, job id) and,
 for each, where it came from (:class:`Provenance`: a :class:`Source` and a detail).  The
 readers that build it from a launcher's variables, and their order, live in
-:mod:`cpuddp.launchers` (:func:`cpuddp.launchers.registry`); this module imports none of
+:mod:`cpuddp.launchers` (:func:`cpuddp.launchers.detect`); this module imports none of
 them.  What :func:`cpuddp.init_distributed` chose afterwards (the backend, the pinning plan)
 belongs to the session (:func:`cpuddp.distributed.get_session`), not here.
 """

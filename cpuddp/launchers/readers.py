@@ -3,7 +3,7 @@
 A reader says whether its launcher's variables are present (:meth:`LauncherReader.detect`)
 and reads them into a :class:`PartialEnv` (:meth:`LauncherReader.read`): what the launcher
 said, with each value's :class:`~cpuddp.launchers.env.Provenance`.  Both take a mapping, never
-``os.environ``, and import nothing.  :func:`cpuddp.launchers.registry` tries the registered
+``os.environ``, and import nothing.  :func:`cpuddp.launchers.detect` tries the registered
 readers in order and then applies the rules every launcher shares (derivations, range
 checks, rendezvous address and port), so a site reader added with
 :func:`cpuddp.launchers.register_launcher` gets the same checks as the built-ins.

@@ -11,12 +11,14 @@ This package is public: the names below are importable from ``cpuddp.testing``, 
 from its module on first use (a rank that imports :mod:`.rank` imports neither pytest nor the
 parent's side).  pytest loads this package as a plugin (entry point ``pytest11: cpuddp``, or
 ``pytest_plugins = ["cpuddp.testing"]``): where pytest is installed, the plugin's hooks and
-fixtures are among the names, and pytest finds them here.
+fixtures are among the names, bound here at import when pytest is already imported (pytest
+reads a plugin's hooks from the module itself).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from typing import TYPE_CHECKING
 
 from cpuddp._package import lazy_names
@@ -38,5 +40,20 @@ if importlib.util.find_spec("pytest") is not None:
 
 __getattr__, __dir__ = lazy_names(__name__, _EXPORTS)
 
+if "pytest" in sys.modules:  # loaded as pytest's plugin: pluggy reads hooks from the module's own names
+    from .plugin import (  # noqa: F401
+        _cpuddp_isolate_env,
+        clean_launcher_env,
+        pytest_addoption,
+        pytest_configure,
+        run_distributed_fixture,
+    )
+
 if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
-    from .world import LAUNCHER_ENV_NAMES, LAUNCHER_ENV_PREFIXES, clean_environ, is_launcher_variable, run_distributed
+    from .world import (
+        LAUNCHER_ENV_NAMES,
+        LAUNCHER_ENV_PREFIXES,
+        clean_environ,
+        is_launcher_variable,
+        run_distributed,
+    )

@@ -1,4 +1,4 @@
-"""Test DDP code on N gloo ranks in CI: ``run_distributed`` and the pytest plugin.
+"""Test DDP code on N gloo ranks in CI: ``run_distributed``.
 
 ``run_distributed(fn, world_size=2)`` spawns ``world_size`` fresh processes (spawn, never
 fork), forms a real process group among them with :func:`cpuddp.init_distributed`, runs
@@ -52,9 +52,9 @@ the file the parent loaded them from) -- and the ranks rewrite ``assert`` statem
 modules as pytest does, so a failing assert inside ``fn`` reads as it would in the test.
 Lambdas and functions nested in a test cannot be pickled.
 
-The pytest plugin (entry point ``pytest11: cpuddp``, loaded whenever cpuddp is installed)
-adds the ``run_distributed`` and ``clean_launcher_env`` fixtures, the
-``distributed(world_size=..., timeout=..., ...)`` marker and the ``cpuddp_isolate_env`` ini
+The pytest plugin (:mod:`cpuddp.testing.plugin`; entry point ``pytest11: cpuddp``, loaded
+whenever cpuddp is installed) adds the ``run_distributed`` and ``clean_launcher_env`` fixtures,
+the ``distributed(world_size=..., timeout=..., ...)`` marker and the ``cpuddp_isolate_env`` ini
 option; see ``docs/testing.md``.
 """
 

@@ -72,7 +72,6 @@ from cpuddp.errors import PrepareError
 
 from .comm import bf16_allreduce_hook, bf16_allreduce_supported, check_comm_hook, register_hook
 from .optim import fuse_optimizer, ipex_optimize
-from .precision import AutocastHooks as _AutocastHooks  # noqa: F401 -- pickles made before the split
 from .precision import add_autocast, cpu_bf16_support, decide_precision
 
 __all__ = [

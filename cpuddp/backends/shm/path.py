@@ -1,7 +1,8 @@
-"""The data path of :mod:`cpuddp.shm`, run on the group's communication thread: agreement,
-copy-in, the rank-order reduction, copy-out, and the waiting between them.
+"""The data path of the shm group (:mod:`cpuddp.backends.shm.group`), run on the group's
+communication thread: agreement, copy-in, the rank-order reduction, copy-out, and the waiting
+between them.
 
-See :mod:`cpuddp.shm` for the algorithm; :class:`DataPath` holds one group's segment and node
+See the group's module for the algorithm; :class:`DataPath` holds one group's segment and node
 plan, and every wait goes through :meth:`DataPath.wait_for`, which ends at once with an error
 naming the peer that died, left the group or gave up, and at the group timeout otherwise.
 """
