@@ -68,6 +68,7 @@ import logging
 import os
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable, List, Optional, Sequence
 
@@ -90,6 +91,12 @@ eligibility = shm_check.eligibility
 INTER_VAR = "CPUDDP_SHM_INTER"
 _RedOp = dist.ReduceOp.RedOpType
 _JOIN_TIMEOUT = 10.0
+#: How long shutdown lets gloo's worker threads run on before it returns.  A worker drops its
+#: last reference to a finished Work after the caller's wait() returned; a Work whose tensors'
+#: Python objects it then frees needs the GIL, and at interpreter exit Python ends such a thread
+#: inside a C++ destructor, which aborts the process ("terminate called without an active
+#: exception", a rank killed by SIGABRT after its job is done).
+_SETTLE = 0.05
 #: An allreduce up to this size runs in the caller's thread when the stream is idle: the thread
 #: hop costs more than overlap could win (DDP's buckets are 1 MiB and up).
 _INLINE_BYTES = 64 << 10
@@ -426,6 +433,7 @@ class ShmProcessGroup(dist.ProcessGroup):
             super().shutdown()
         except Exception as exc:  # noqa: BLE001 - teardown of gloo must not raise over a finished job
             log.debug("cpuddp.shm: gloo shutdown raised: %s", exc)
+        time.sleep(_SETTLE)  # gloo's workers release their last Works while Python still runs
 
     def abort(self) -> None:
         self.leave()
