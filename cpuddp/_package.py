@@ -19,19 +19,24 @@ __version__ = "0.1.0"
 __all__ = ["__version__", "lazy_names"]
 
 
-def lazy_names(package: str, exports: Mapping[str, str]) -> Tuple[Callable[[str], Any], Callable[[], list]]:
+def lazy_names(package: str, exports: Mapping[str, str],
+               fresh: Tuple[str, ...] = ()) -> Tuple[Callable[[str], Any], Callable[[], list]]:
     """``(__getattr__, __dir__)`` for ``package``, whose public ``name`` lives in
-    ``package + "." + exports[name]``.  Each access asks the module (once imported, a dictionary
-    lookup), so a name its module rebinds, such as :data:`cpuddp.launchers.READERS` after
-    ``register_launcher``, is never stale.  Any other name is an ``AttributeError`` (which also
-    lets ``from package import submodule`` find a submodule)."""
+    ``package + "." + exports[name]``.  A loaded name is kept in the package, so later accesses
+    (``cpuddp.reduce_mean`` in a training loop) are plain attribute reads; a name in ``fresh``,
+    which its module rebinds (:data:`cpuddp.launchers.READERS` after ``register_launcher``), is
+    asked of the module at every access instead.  Any other name is an ``AttributeError``
+    (which also lets ``from package import submodule`` find a submodule)."""
     namespace = sys.modules[package].__dict__
 
     def __getattr__(name: str) -> Any:
         module = exports.get(name)
         if module is None:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(f"{package}.{module}"), name)
+        value = getattr(importlib.import_module(f"{package}.{module}"), name)
+        if name not in fresh:
+            namespace[name] = value
+        return value
 
     def __dir__() -> list:
         return sorted(set(namespace) | set(exports))
