@@ -43,7 +43,8 @@ _EXPORTS = {
 }
 
 __all__ = list(_EXPORTS)
-__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, fresh=("READERS",))  # rebound by (un)registration
+# READERS is rebound by every (un)registration: asked of its module at every access
+__getattr__, __dir__ = lazy_names(__name__, _EXPORTS, fresh=("READERS",))
 
 if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
     from .env import Provenance, Source
