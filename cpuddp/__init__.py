@@ -58,6 +58,8 @@ _EXPORTS = {
     "barrier": "train.loop",
     "save_state_dict": "train.loop",
     "load_state_dict": "train.loop",
+    "clip_grad_norm_": "train.grads",
+    "no_sync": "train.grads",
     "Progress": "train.progress",
     "ProgressSummary": "train.progress",
     # backends
@@ -133,5 +135,6 @@ if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
         save_state_dict,
         shard,
     )
+    from .train.grads import clip_grad_norm_, no_sync
     from .train.prepare import PrepareInfo, prepare, prepared_info, unwrap
     from .train.progress import Progress, ProgressSummary

@@ -33,6 +33,7 @@ __all__ = [
     "get_world_size",
     "get_local_rank",
     "get_local_world_size",
+    "get_node_rank",
     "print0",
     "log0",
     "group_rank_world",
@@ -88,6 +89,11 @@ def get_local_rank() -> int:
 def get_local_world_size() -> int:
     """The number of ranks on this node (init's, else the launcher's, else 1)."""
     return _where().local_world_size
+
+
+def get_node_rank() -> int:
+    """This process's node among the job's nodes, from 0 (init's, else the launcher's, else 0)."""
+    return _where().node_rank
 
 
 def print0(*args: Any, **kwargs: Any) -> None:

@@ -31,7 +31,7 @@ PUBLIC = {
     "get_rank", "get_world_size", "get_local_rank", "get_local_world_size", "print0", "log0",
     # prepare and the loop helpers
     "prepare", "PrepareInfo", "prepared_info", "unwrap", "shard", "ShardedLoader", "autocast_for",
-    "reduce_mean", "is_main_process", "barrier", "save_state_dict", "load_state_dict",
+    "reduce_mean", "is_main_process", "barrier", "save_state_dict", "load_state_dict", "clip_grad_norm_", "no_sync",
     "Progress", "ProgressSummary",
     # backends and pinning
     "available_backends", "register_backend", "PinPlan", "pinned",

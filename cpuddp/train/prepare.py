@@ -73,6 +73,8 @@ from cpuddp.errors import PrepareError
 from .comm import bf16_allreduce_hook, bf16_allreduce_supported, check_comm_hook, register_hook
 from .optim import fuse_optimizer, ipex_optimize
 from .precision import add_autocast, cpu_bf16_support, decide_precision
+from .shard import apply_full, check_shard_request, check_shardable
+from .zero import ZeroStep, check_zero_optimizer
 
 __all__ = [
     "prepare",
@@ -104,6 +106,7 @@ class PrepareInfo:
     comm_hook: Optional[str]
     compiled: bool
     ipex_version: Optional[str] = None
+    shard: Optional[str] = None  # "optimizer" or "full" when the model is sharded
     notes: tuple[str, ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
@@ -211,8 +214,8 @@ def _world_size(group: Any) -> int:
     return 1
 
 
-def _choose_path(ipex: Optional[bool], notes: list[str]) -> Optional[Any]:
-    """The IPEX probe when the IPEX path is taken, else None (the stock path)."""
+def _choose_path(ipex: Optional[bool], notes: list[str], sharding: Optional[str] = None) -> Optional[Any]:
+    """The IPEX probe when the IPEX path is taken, else None (the stock path; always when sharding)."""
     if ipex is False:
         return None
     from . import ipex as _ipex
@@ -225,7 +228,25 @@ def _choose_path(ipex: Optional[bool], notes: list[str]) -> Optional[Any]:
         )
     if not probe.usable and probe.ipex_version is not None:
         notes.append(f"IPEX not used: {probe.reason}")
+    if probe.usable and sharding is not None:
+        notes.append(f"IPEX not used: shard={sharding!r} steps torch's own optimizer")
+        return None
     return probe if probe.usable else None
+
+
+def _sharding(shard: Optional[str], world: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+              notes: list[str]) -> Optional[str]:
+    """The shard mode in effect, its objects checked; None at world size 1 (one log line)."""
+    if shard is None:
+        return None
+    if world == 1:
+        _log.info("shard=%r at world size 1: nothing to shard; the model is prepared unsharded", shard)
+        notes.append(f"shard={shard!r} not applied: world size 1")
+        return None
+    check_shardable(model, optimizer, shard)
+    if shard == "optimizer":
+        check_zero_optimizer(model, optimizer)
+    return shard
 
 
 def _choose_precision(mixed_precision: Optional[str], strict: bool) -> tuple[Optional[torch.dtype], str]:
@@ -315,6 +336,28 @@ def _wrap_ddp(core: nn.Module, options: Mapping[str, Any]) -> nn.Module:
     return DistributedDataParallel(core, **_ddp_kwargs(options))
 
 
+def _shard_full(core: nn.Module, optimizer: Optional[torch.optim.Optimizer], options: Mapping[str, Any],
+                dtype: Optional[torch.dtype], notes: list[str]) -> nn.Module:
+    """shard="full": FSDP2 over this node's ranks (HSDP across nodes), the optimizer rebound."""
+    from cpuddp.ranks import get_local_rank, get_local_world_size, get_node_rank
+
+    return apply_full(core, optimizer, blocks=options["shard_blocks"], scope=options["shard_scope"],
+                      group=options["process_group"], bf16=dtype is not None, notes=notes,
+                      node_of=lambda: (get_node_rank(), get_local_rank(), get_local_world_size()))
+
+
+def _gradient_hook(ddp: nn.Module, optimizer: Optional[torch.optim.Optimizer], sharding: Optional[str],
+                   options: Mapping[str, Any], notes: list[str]) -> Optional[str]:
+    """The DDP model's gradient communication: shard="optimizer"'s reduce-scatter, or ``comm_hook``."""
+    if sharding == "optimizer":
+        assert optimizer is not None  # check_zero_optimizer
+        ZeroStep(ddp, optimizer, options["process_group"])
+        notes.append("shard='optimizer': gradients reduce-scattered, optimizer state sharded (from the step after "
+                     "DDP's bucket layout settles; the steps before run as DDP)")
+        return "reduce_scatter"
+    return register_hook(ddp, options["comm_hook"], options["process_group"], options["strict"], notes, stacklevel=4)
+
+
 def _compile(module: nn.Module, compile: Union[bool, Mapping[str, Any]]) -> tuple[nn.Module, bool]:
     if not compile:
         return module, False
@@ -344,6 +387,9 @@ def prepare(
     fused_optimizer: bool = True,
     compile: Union[bool, Mapping[str, Any]] = False,
     ddp: Optional[bool] = None,
+    shard: Optional[str] = None,
+    shard_blocks: Any = None,
+    shard_scope: Optional[str] = None,
     bucket_cap_mb: Optional[float] = None,
     static_graph: bool = False,
     find_unused_parameters: bool = False,
@@ -353,18 +399,21 @@ def prepare(
     process_group: Optional[Any] = None,
     ddp_kwargs: Optional[Mapping[str, Any]] = None,
 ) -> nn.Module:
-    """Optimize ``model`` (and ``optimizer``, in place) for the CPU and wrap it in DDP.
+    """Optimize ``model`` (and ``optimizer``, in place) for the CPU and wrap it in DDP (or shard it).
 
     Returns the module to train.  ``optimizer`` may be omitted (inference, evaluation).
     ``mixed_precision``: None/"fp32" or "bf16".  ``strict``: raise
     :class:`PrepareError` instead of warning when bf16 (or a bf16 comm hook) cannot be had.
     ``ipex``: None uses IPEX when a matching one is installed, True requires it, False
     never uses it.  ``ddp``: None wraps when the world size is above 1 and a parameter
-    requires grad.  See the module docstring for the rest.
+    requires grad.  ``shard``: None (DDP), "optimizer" (gradients and optimizer state
+    sharded) or "full" (FSDP2; ``shard_blocks`` names the blocks, ``shard_scope`` "node"
+    or "world"): :mod:`cpuddp.train.shard`.  See the module docstring for the rest.
     """
     options = dict(
         mixed_precision=mixed_precision, strict=strict, ipex=ipex, fused_optimizer=fused_optimizer,
-        compile=compile, ddp=ddp, bucket_cap_mb=bucket_cap_mb, static_graph=static_graph,
+        compile=compile, ddp=ddp, shard=shard, shard_blocks=shard_blocks, shard_scope=shard_scope,
+        bucket_cap_mb=bucket_cap_mb, static_graph=static_graph,
         find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
         comm_hook=comm_hook, output_fp32=output_fp32, process_group=process_group,
         ddp_kwargs=dict(ddp_kwargs or {}),
@@ -376,10 +425,12 @@ def prepare(
         return again
     _check_bare_cpu_module(model)
     check_comm_hook(comm_hook)
+    check_shard_request(shard, options)
 
     notes: list[str] = []
     world = _world_size(process_group)
-    probe = _choose_path(ipex, notes)
+    sharding = _sharding(shard, world, model, optimizer, notes)
+    probe = _choose_path(ipex, notes, sharding)
     dtype, precision_reason = _choose_precision(mixed_precision, strict)
     do_ddp = decide_ddp(ddp, world_size=world, wants_grad=any(p.requires_grad for p in model.parameters()))
     fused = False
@@ -389,9 +440,11 @@ def prepare(
         fused = _fuse_step(optimizer, fused_optimizer, notes)
     core = outer = model
     hook_name: Optional[str] = None
-    if do_ddp:
+    if sharding == "full":
+        outer = _shard_full(core, optimizer, options, dtype, notes)
+    elif do_ddp:
         outer = _wrap_ddp(core, options)
-        hook_name = register_hook(outer, comm_hook, process_group, strict, notes, stacklevel=3)
+        hook_name = _gradient_hook(outer, optimizer, sharding, options, notes)
     elif comm_hook is not None:
         notes.append("comm_hook ignored: no DDP wrap at world size 1")
     outer, compiled = _compile(outer, compile)
@@ -404,11 +457,12 @@ def prepare(
         requested_precision=mixed_precision,
         precision_reason=precision_reason,
         fused_optimizer=fused,
-        ddp=do_ddp,
+        ddp=do_ddp and sharding != "full",
         world_size=world,
         comm_hook=hook_name,
         compiled=compiled,
         ipex_version=probe.ipex_version if probe is not None else None,
+        shard=sharding,
         notes=tuple(notes),
         options=options,
     )

@@ -1,0 +1,295 @@
+"""``prepare(model, optimizer, shard=...)``: sharded data parallel on torch's own engines.
+
+* ``shard=None``: DDP (every rank holds and steps everything).
+* ``shard="optimizer"``: DDP with a reduce-scatter gradient hook; each rank steps its share of
+  every parameter and keeps only that share's optimizer state (:mod:`cpuddp.train.zero`).
+* ``shard="full"``: FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and
+  optimizer state sharded; each *block* is gathered for its forward and backward and freed
+  after.  bf16 through ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``.
+  Across nodes it is HSDP: a 2-D ``DeviceMesh`` (replicate across nodes, shard within a node).
+
+What is decided here, each a pure function tested alone: whether the request is consistent
+(:func:`check_shard_request`), which modules are blocks (:func:`find_blocks`; default: the
+repeated layers of a ``ModuleList`` -- transformer blocks -- and ``nn.TransformerEncoderLayer``/
+``DecoderLayer``, then any remaining ``Linear``/``Embedding`` of at least :data:`LARGE` parameters;
+``shard_blocks=`` names them instead), and the mesh (:func:`decide_mesh`).  What is done:
+:func:`apply_full` (FSDP2 and the optimizer's rebinding).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from cpuddp.errors import PrepareError
+
+__all__ = [
+    "SHARD_MODES",
+    "LARGE",
+    "check_shard_request",
+    "find_blocks",
+    "decide_mesh",
+    "gather_places",
+    "shared_across_blocks",
+    "apply_full",
+    "is_fsdp",
+]
+
+_log = logging.getLogger("cpuddp.prepare")
+
+SHARD_MODES = (None, "optimizer", "full")
+#: A Linear or Embedding with at least this many parameters is a block of its own (4 MiB of fp32).
+LARGE = 1 << 20
+#: prepare() options that configure DDP, which shard="full" does not use.
+DDP_OPTIONS = ("bucket_cap_mb", "static_graph", "find_unused_parameters", "broadcast_buffers", "ddp_kwargs", "comm_hook")
+
+BlockSpec = Union[None, type, str, Sequence[Union[type, str]], Callable[[str, nn.Module], bool]]
+
+
+def _ddp_options_set(options: Mapping[str, Any]) -> list[str]:
+    defaults = {"static_graph": False, "find_unused_parameters": False}
+    return [k for k in DDP_OPTIONS if options.get(k) not in (None, {}, defaults.get(k, None))]
+
+
+def check_shard_request(shard: Any, options: Mapping[str, Any]) -> None:
+    """Pure: raise :class:`PrepareError` for a ``shard=`` request that cannot be met as asked."""
+    if shard not in SHARD_MODES:
+        raise PrepareError(f"shard must be None, 'optimizer' or 'full'. Got {shard!r} instead.",
+                           fix="pass shard='optimizer' (ZeRO-2: optimizer state and gradients sharded) or "
+                               "shard='full' (FSDP2: parameters sharded too)")
+    if shard is None:
+        if options.get("shard_blocks") is not None or options.get("shard_scope") is not None:
+            raise PrepareError("shard_blocks/shard_scope were given, but shard=None.", fix="pass shard='full'")
+        return
+    if options.get("ipex") is True:
+        raise PrepareError(f"ipex=True with shard={shard!r}: IPEX's fused optimizer steps whole parameters "
+                           "of its own copy and cannot be sharded.", fix="pass ipex=None (or False) with shard=")
+    if options.get("ddp") is False:
+        raise PrepareError(f"ddp=False with shard={shard!r}: sharding is data parallel.", fix="drop ddp=False")
+    if shard == "optimizer" and options.get("comm_hook") is not None:
+        raise PrepareError(f"comm_hook={options['comm_hook']!r} with shard='optimizer': the sharding is the "
+                           "gradient hook.", fix="drop comm_hook, or use shard=None")
+    if shard == "full":
+        given = _ddp_options_set(options)
+        if given:
+            raise PrepareError(f"{given[0]}={options[given[0]]!r} configures DDP, which shard='full' (FSDP2) "
+                               "does not use.", fix=f"drop {given[0]}, or use shard='optimizer'")
+    if options.get("shard_blocks") is not None and shard != "full":
+        raise PrepareError(f"shard_blocks with shard={shard!r}: blocks are FSDP2's unit.", fix="pass shard='full'")
+    scope = options.get("shard_scope")
+    if scope not in (None, "node", "world") or (scope is not None and shard != "full"):
+        raise PrepareError(f"shard_scope must be None, 'node' or 'world' with shard='full'. Got {scope!r} "
+                           f"with shard={shard!r}.", fix="drop shard_scope (default: within each node, HSDP across nodes)")
+
+
+# --------------------------------------------------------------------------- blocks
+
+
+def _repeated(parent: nn.Module, child: nn.Module) -> bool:
+    """A layer of a stack: an item of a ModuleList whose items are all of one class, two or more."""
+    if not isinstance(parent, nn.ModuleList) or len(parent) < 2:
+        return False
+    return all(type(m) is type(child) for m in parent) and any(True for _ in child.parameters())
+
+
+def _default_block(parent: Optional[nn.Module], child: nn.Module) -> bool:
+    if isinstance(child, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+        return True
+    if parent is not None and _repeated(parent, child):
+        return True
+    if isinstance(child, (nn.Linear, nn.Embedding, nn.EmbeddingBag)):
+        return sum(p.numel() for p in child.parameters(recurse=False)) >= LARGE
+    return False
+
+
+def _matcher(spec: BlockSpec) -> Callable[[str, Optional[nn.Module], nn.Module], bool]:
+    """Turn ``shard_blocks`` into a test of ``(name, parent, module)``."""
+    if spec is None:
+        return lambda name, parent, m: _default_block(parent, m)
+    if callable(spec) and not isinstance(spec, type):
+        return lambda name, parent, m: bool(spec(name, m))
+    items = [spec] if isinstance(spec, (type, str)) else list(spec) if isinstance(spec, Sequence) else None
+    if items is None or not all(isinstance(i, (type, str)) for i in items):
+        raise PrepareError(f"shard_blocks must be None, module classes or class names, or a function "
+                           f"(name, module) -> bool. Got {spec!r} instead.",
+                           fix="e.g. shard_blocks=[MyBlock] or shard_blocks=['BertLayer']")
+    classes = tuple(i for i in items if isinstance(i, type))
+    names = {i for i in items if isinstance(i, str)}
+    return lambda name, parent, m: isinstance(m, classes) or type(m).__name__ in names
+
+
+def find_blocks(model: nn.Module, spec: BlockSpec = None) -> list[tuple[str, nn.Module]]:
+    """The outermost modules below ``model`` that ``spec`` names (default policy: see the
+    module), in ``named_modules`` order; never ``model`` itself.  Pure (reads the module tree)."""
+    test = _matcher(spec)
+    found: list[tuple[str, nn.Module]] = []
+
+    def walk(prefix: str, module: nn.Module) -> None:
+        for child_name, child in module.named_children():
+            name = f"{prefix}{child_name}"
+            if test(name, module, child):
+                found.append((name, child))
+            else:
+                walk(name + ".", child)
+
+    walk("", model)
+    if spec is not None and not found and not (isinstance(spec, Sequence) and len(spec) == 0):
+        raise PrepareError(f"shard_blocks={spec!r} matched no module of {type(model).__name__}.",
+                           fix="name the classes of your model's layers (or pass shard_blocks=() for one group)")
+    return found
+
+
+def shared_across_blocks(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]]) -> dict[str, list[str]]:
+    """Pure: each parameter registered in two FSDP groups (two blocks, or a block and the rest of the
+    model), as ``{first name: [every name]}``; empty when there is none."""
+    prefixes = [name + "." for name, _ in blocks]
+
+    def group_of(param_name: str) -> str:
+        return next((p for p in prefixes if param_name.startswith(p)), "")
+
+    where: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        where.setdefault(id(p), []).append(name)
+    return {names[0]: names for names in where.values() if len({group_of(n) for n in names}) > 1}
+
+
+# --------------------------------------------------------------------------- the mesh
+
+
+def decide_mesh(places: Sequence[tuple[int, int, int]], scope: Optional[str]) -> tuple[int, int]:
+    """Pure: ``(replicas, shards)`` of the FSDP2 mesh, from every rank's ``(node, local rank, ranks
+    on its node)``.  ``scope`` None or ``"node"``: shard within each node and replicate across
+    nodes (HSDP) when the job spans several nodes of two or more ranks each; ``"world"`` (or one
+    rank per node): shard across every rank.  ``(1, world)`` is plain FSDP."""
+    world, nodes = len(places), sorted({node for node, _, _ in places})
+    if scope == "world" or len(nodes) == 1:
+        return 1, world
+    sizes = sorted({size for _, _, size in places})
+    if len(sizes) != 1:
+        raise PrepareError(f"HSDP needs the same number of ranks on every node; the nodes run {sizes} ranks.",
+                           fix="run the same number of ranks per node, or pass shard_scope='world'")
+    local = sizes[0]
+    if local == 1:
+        return 1, world
+    seats = sorted((node, lr) for node, lr, _ in places)
+    if nodes != list(range(len(nodes))) or seats != [(n, r) for n in nodes for r in range(local)]:
+        raise PrepareError(f"the ranks' places (node, local rank) are not a {len(nodes)} x {local} grid: {seats}.",
+                           fix="check the launcher's node and local ranks, or pass shard_scope='world'")
+    return len(nodes), local
+
+
+# --------------------------------------------------------------------------- checks on the objects
+
+
+def _ipex_touched(optimizer: torch.optim.Optimizer) -> bool:
+    """Did ``ipex.optimize`` patch this optimizer (its fused step, its master-weight map)?"""
+    return hasattr(optimizer, "params_attr") or hasattr(optimizer, "_original_step")
+
+
+def check_shardable(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], shard: str) -> None:
+    """Raise :class:`PrepareError` when ``model``/``optimizer`` cannot be sharded as they are."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.device.type != "cpu":
+            raise PrepareError(f"{name!r} is on {t.device}; shard={shard!r} shards CPU tensors.",
+                               fix="call model.to('cpu') before prepare()")
+    if optimizer is None:
+        return
+    if _ipex_touched(optimizer):
+        raise PrepareError(f"the optimizer was patched by ipex.optimize (IPEX's fused step over its own "
+                           f"master weights); shard={shard!r} cannot shard it.",
+                           fix="pass the plain torch.optim optimizer and let prepare() choose (ipex=None)")
+    if optimizer.state:
+        raise PrepareError(f"the optimizer has already stepped; shard={shard!r} rebinds it to the sharded "
+                           "parameters and cannot carry the state it holds.",
+                           fix="call cpuddp.prepare() before the first optimizer.step() (load a saved optimizer "
+                               "state after prepare)")
+    names = {id(p): n for n, p in model.named_parameters()}
+    stray = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in names]
+    if stray:
+        raise PrepareError(f"the optimizer holds tensor(s) of shape {stray[:3]} that are not parameters of the "
+                           "model; sharding cannot place them.",
+                           fix="build the optimizer from model.parameters() (or named subsets of them)")
+
+
+# --------------------------------------------------------------------------- shard="full": FSDP2
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    """Is ``model`` a module ``fully_shard`` was applied to?"""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch < 2.6
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def gather_places(node_of: Callable[[], tuple[int, int, int]], group: Any) -> list[tuple[int, int, int]]:
+    """Every rank's ``(node, local rank, ranks on its node)``, in rank order (one collective)."""
+    import torch.distributed as dist
+
+    places: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(places, tuple(node_of()), group=group)
+    return [tuple(p) for p in places]
+
+
+def _mesh(shape: tuple[int, int], places: Sequence[tuple[int, int, int]], group: Any) -> Any:
+    """The CPU ``DeviceMesh``: 1-D over ``group`` (default: the world), or 2-D ``(replicate, shard)``
+    with each node's ranks in a row."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    replicas, shards = shape
+    if replicas == 1:
+        if group is None:
+            import torch.distributed as dist
+
+            group = dist.group.WORLD
+        return DeviceMesh.from_group(group, "cpu")
+    grid = torch.empty(replicas, shards, dtype=torch.int)
+    for rank, (node, local, _) in enumerate(places):
+        grid[node, local] = rank
+    return DeviceMesh("cpu", grid, mesh_dim_names=("replicate", "shard"))
+
+
+def _rebind(optimizer: torch.optim.Optimizer, model: nn.Module, names: list[list[str]]) -> None:
+    """Point each param group at the model's (now sharded) parameters of the same names."""
+    now = dict(model.named_parameters())
+    for group, group_names in zip(optimizer.param_groups, names):
+        group["params"] = [now[n] for n in group_names]
+
+
+def apply_full(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], *, blocks: BlockSpec,
+               scope: Optional[str], group: Any, node_of: Callable[[], tuple[int, int, int]],
+               bf16: bool, notes: list[str]) -> nn.Module:
+    """``fully_shard`` each block, then the model; rebind the optimizer.  Returns the model.
+    ``node_of()``: this rank's ``(node, local rank, ranks on its node)``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    found = find_blocks(model, blocks)
+    shared = shared_across_blocks(model, found)
+    if shared:
+        first, every = next(iter(shared.items()))
+        raise PrepareError(
+            f"parameter {first!r} is shared by {every} in different shard blocks; FSDP2 gathers each block's "
+            "parameters on its own, so a parameter cannot belong to two.",
+            fix="name blocks that keep shared parameters together (shard_blocks=...), or untie them")
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups] if optimizer else []
+    places = gather_places(node_of, group)
+    mesh_shape = decide_mesh(places, "world" if group is not None else scope)
+    mesh = _mesh(mesh_shape, places, group)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    for i, (_, block) in enumerate(found):
+        # the last block's backward comes first: keep it gathered after forward (as torchtitan does)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(found) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    if optimizer is not None:
+        _rebind(optimizer, model, opt_names)
+    kind = f"HSDP {mesh_shape[0]} replicas x {mesh_shape[1]} shards" if mesh_shape[0] > 1 else f"{mesh_shape[1]} shards"
+    notes.append(f"shard='full': FSDP2 over {kind}, {len(found)} block(s) + the rest"
+                 + (", bf16 parameters with fp32 gradient reduction" if bf16 else ""))
+    _log.info("shard='full': blocks %s", [n for n, _ in found])
+    return model

@@ -1,0 +1,350 @@
+"""``prepare(..., shard="optimizer")``: DDP whose gradient hook reduce-scatters, and the user's
+optimizer stepping only this rank's share of every parameter (ZeRO stage 2).
+
+Built on torch's extension points only -- a DDP communication hook and the optimizer's step
+pre/post hooks -- so DDP keeps its buckets, their order and the overlap with backward:
+
+* **Backward.**  The hook reduce-scatters each of DDP's gradient buckets
+  (``reduce_scatter_single``): rank ``r`` receives the sum of elements ``[r*c, (r+1)*c)`` of
+  the bucket (``c = numel // world``), divides it by the world size, and keeps it as its
+  share's gradient.  The last ``numel - world*c`` elements (fewer than the world size) are
+  all-reduced and stepped by every rank alike.  The model's own ``.grad`` keeps this rank's
+  unreduced gradient (DDP's bucket); the optimizer never reads it.
+* **Step.**  Each bucket's parameters live in one flat buffer in the bucket's order (``p.data``
+  is a view of it, as ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)`` does), so a
+  share is a plain view.  For the step only, the optimizer's param groups hold those views
+  (*pieces*: the part of each parameter inside this rank's share) with their gradients; then
+  each bucket's buffer is all-gathered in place (``all_gather_single``), so every rank holds
+  every updated parameter again, and the param groups hold the model's parameters.
+  Element-wise optimizers only (Adam, AdamW, SGD, ...): a piece is stepped on its own.
+* **The first steps run as DDP.**  DDP rebuilds its buckets once, after the first iteration.
+  Until the same bucket layout has been seen in two steps in a row, the hook all-reduces and the
+  optimizer steps every parameter (DDP's arithmetic); at the next step the parameters move into
+  their buffers and the optimizer state is cut to this rank's pieces (``prepared_info(...)``
+  notes when).
+* **State dicts.**  Between steps the optimizer's param groups hold the model's parameters, and
+  its ``state_dict()``/``load_state_dict()`` -- collectives once sharded -- give and take the
+  whole, unsharded state as DDP's optimizer would, so ``torch.distributed.checkpoint.state_dict``
+  (``get_state_dict``/``set_state_dict``) and plain ``torch.save`` work, across world sizes.
+
+Costs: the same bytes on the wire as DDP's all-reduce (a reduce-scatter plus an all-gather), the
+optimizer's work and state divided by the world size, no copy of parameters or gradients.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cpuddp.errors import PrepareError
+
+__all__ = ["ELEMENTWISE", "ZeroStep", "check_zero_optimizer", "zero_hook", "zero_state"]
+
+_log = logging.getLogger("cpuddp.prepare")
+
+#: Optimizers whose update of an element reads only that element's parameter, gradient and
+#: state: stepping a piece of a parameter equals stepping the whole and cutting.
+ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD")
+
+_ATTR = "_cpuddp_zero"
+
+
+def check_zero_optimizer(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """Raise :class:`PrepareError` unless ``optimizer`` can be sharded element-wise over ``model``."""
+    if optimizer is None:
+        raise PrepareError('shard="optimizer" shards the optimizer, but none was given.',
+                           fix="pass your optimizer: cpuddp.prepare(model, optimizer, shard=\"optimizer\")")
+    name = type(optimizer).__name__
+    if type(optimizer).__module__.split(".")[:2] != ["torch", "optim"] or name not in ELEMENTWISE:
+        raise PrepareError(
+            f'shard="optimizer" steps each rank\'s share of a parameter on its own, which is exact only '
+            f"for element-wise optimizers ({', '.join(ELEMENTWISE)} from torch.optim); got {name}.",
+            fix='use shard="full" (FSDP2 works with any optimizer), or one of those optimizers')
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if missing:
+        raise PrepareError(
+            f'shard="optimizer": trainable parameter(s) {missing[:3]} are not in the optimizer; their '
+            "gradients would never be applied (this rank keeps only its share of them).",
+            fix="give the optimizer every trainable parameter, or set requires_grad=False on the others")
+
+
+def zero_state(model: nn.Module) -> Optional["ZeroStep"]:
+    """The :class:`ZeroStep` behind a model prepared with ``shard="optimizer"``, else None."""
+    return model.__dict__.get(_ATTR)
+
+
+def zero_hook(state, bucket):  # no annotations: DDP compares them with dist.GradBucket
+    """DDP communication hook of ``shard="optimizer"`` (``state`` is the :class:`ZeroStep`)."""
+    return state.reduce(bucket)
+
+
+def _collective(name: str, fallback: str) -> Callable[..., Any]:
+    # torch 2.13 deprecates *_tensor for *_single; 2.8 has only *_tensor
+    return getattr(dist, name, None) or getattr(dist, fallback)
+
+
+_reduce_scatter = _collective("reduce_scatter_single", "reduce_scatter_tensor")
+_all_gather = _collective("all_gather_single", "all_gather_into_tensor")
+
+
+def _future(works: list, finish: Callable[[], torch.Tensor]) -> torch.futures.Future:
+    """A future of ``finish()``'s tensor once every work is done (waiting here when the backend's
+    work has no future: gloo's reduce-scatter)."""
+    try:
+        futures = [w.get_future() for w in works]
+    except RuntimeError:  # "Work::getFuture not implemented"
+        for w in works:
+            w.wait()
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(finish())
+        return done
+    return torch.futures.collect_all(futures).then(lambda _: finish())
+
+
+@dataclass
+class _Piece:
+    """The part ``[lo, hi)`` of a parameter's flat elements that this rank steps."""
+
+    param: torch.Tensor
+    lo: int
+    hi: int
+    tensor: torch.Tensor  # view of the bucket's flat parameter buffer
+    grad: torch.Tensor  # view of the bucket's reduced gradient share (or its tail)
+
+
+@dataclass
+class _Bucket:
+    params: tuple  # the model's parameters, in DDP's bucket order
+    offsets: list[int]
+    chunk: int  # elements per rank
+    flat: torch.Tensor  # the parameters
+    grad: torch.Tensor  # this rank's reduced share
+    tail: torch.Tensor  # the reduced last numel - world * chunk elements (every rank)
+    pieces: list[_Piece] = field(default_factory=list)
+
+    @property
+    def shared(self) -> int:
+        return self.flat.numel() - self.tail.numel()
+
+
+def _index(items: tuple, item: Any) -> int:
+    return next(i for i, x in enumerate(items) if x is item)
+
+
+def _cut(value: Any, param: torch.Tensor, lo: int, hi: int) -> Any:
+    """A piece's share of one optimizer state value (param-shaped tensors are cut, the rest copied)."""
+    if torch.is_tensor(value) and value.shape == param.shape:
+        return value.reshape(-1)[lo:hi].clone()
+    return value.clone() if torch.is_tensor(value) else value
+
+
+class ZeroStep:
+    """The state of ``shard="optimizer"`` for one DDP model and its optimizer (see the module)."""
+
+    def __init__(self, ddp: nn.Module, optimizer: torch.optim.Optimizer, group: Any = None) -> None:
+        self.optimizer = optimizer
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.buckets: dict[int, _Bucket] = {}
+        self.sharded_at: Optional[int] = None  # the step at which sharding began
+        self._steps = 0
+        self._seen: dict[int, tuple] = {}  # bucket index -> its parameters, this backward
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._last: Optional[tuple] = None  # the layout of the previous step
+        self._model_params: list[list[torch.Tensor]] = []
+        self._step_params: list[list[torch.Tensor]] = []
+        ddp.register_comm_hook(self, zero_hook)
+        optimizer.register_step_pre_hook(lambda *_: self._before_step())
+        optimizer.register_step_post_hook(lambda *_: self._after_step())
+        optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
+        optimizer.load_state_dict = self.load_state_dict  # type: ignore[method-assign]
+        for m in {id(ddp): ddp, id(ddp.module): ddp.module}.values():
+            m.__dict__[_ATTR] = self
+
+    @property
+    def sharded(self) -> bool:
+        return self.sharded_at is not None
+
+    # ------------------------------------------------------------------ backward: the hook
+
+    def reduce(self, bucket: Any) -> torch.futures.Future:
+        buf, index, params = bucket.buffer(), bucket.index(), tuple(bucket.parameters())
+        self._seen[index] = params
+        if not self.sharded:  # DDP's arithmetic: divide, then sum
+            self._buffers[index] = buf
+            buf.div_(self.world)
+            return _future([dist.all_reduce(buf, group=self.group, async_op=True)], lambda: buf)
+        b = self.buckets.get(index)
+        if b is None or tuple(map(id, b.params)) != tuple(map(id, params)):
+            raise RuntimeError(
+                f"cpuddp shard='optimizer': DDP's gradient bucket {index} changed after the optimizer was "
+                "sharded; cpuddp expects DDP to rebuild its buckets only after the first iteration")
+        works, n = [], b.shared
+        if b.chunk:
+            works.append(_reduce_scatter(b.grad, buf[:n], group=self.group, async_op=True))
+        if b.tail.numel():
+            works.append(dist.all_reduce(buf[n:], group=self.group, async_op=True))
+
+        def finish() -> torch.Tensor:
+            b.grad.div_(self.world)
+            if b.tail.numel():
+                b.tail.copy_(buf[n:]).div_(self.world)
+            return buf
+
+        return _future(works, finish)
+
+    # ------------------------------------------------------------------ the step
+
+    def _before_step(self) -> None:
+        self._steps += 1
+        if not self.sharded and self._seen:
+            layout = tuple(sorted((i, tuple(map(id, ps))) for i, ps in self._seen.items()))
+            if layout == self._last:
+                self._shard()
+            self._last = layout
+        self._seen = {}
+        if self.sharded:
+            for group, params in zip(self.optimizer.param_groups, self._step_params):
+                group["params"] = params
+            for b in self.buckets.values():
+                for piece in b.pieces:
+                    piece.tensor.grad = piece.grad
+
+    def _after_step(self) -> None:
+        if not self.sharded:
+            return
+        for group, params in zip(self.optimizer.param_groups, self._model_params):
+            group["params"] = params
+        works = []
+        for b in self.buckets.values():
+            for piece in b.pieces:
+                piece.tensor.grad = None
+            if b.chunk:
+                mine = b.flat[self.rank * b.chunk:(self.rank + 1) * b.chunk]
+                works.append(_all_gather(b.flat[:b.shared], mine, group=self.group, async_op=True))
+        for w in works:
+            w.wait()
+
+    # ------------------------------------------------------------------ sharding, once
+
+    def _shard(self) -> None:
+        """Move each bucket's parameters into its flat buffer, cut the optimizer to this rank's
+        pieces (state included) and take this step's gradients from DDP's all-reduced buckets."""
+        opt = self.optimizer
+        group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+        pieces: list[list[torch.Tensor]] = [[] for _ in opt.param_groups]
+        for index in sorted(self._seen):
+            b = self._bucket(self._seen[index], self._buffers[index])
+            self.buckets[index] = b
+            for piece in b.pieces:
+                gi = group_of.get(id(piece.param))
+                if gi is not None:
+                    pieces[gi].append(piece.tensor)
+        in_buckets = {id(p) for b in self.buckets.values() for p in b.params}
+        for gi, g in enumerate(opt.param_groups):
+            rest = [p for p in g["params"] if id(p) not in in_buckets]  # frozen: stepped as they are
+            self._model_params.append(list(g["params"]))
+            self._step_params.append(pieces[gi] + rest)
+        self._cut_state()
+        self._buffers = {}
+        self.sharded_at = self._steps
+        _log.info("shard='optimizer': optimizer sharded at step %d (%d buckets, rank %d of %d)",
+                  self._steps, len(self.buckets), self.rank, self.world)
+
+    def _bucket(self, params: tuple, reduced: torch.Tensor) -> _Bucket:
+        numel = sum(p.numel() for p in params)
+        chunk = numel // self.world
+        flat = torch.empty(numel, dtype=params[0].dtype)
+        offsets, off = [], 0
+        for p in params:
+            flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = flat[off:off + p.numel()].view_as(p)
+            offsets.append(off)
+            off += p.numel()
+        mine = (self.rank * chunk, (self.rank + 1) * chunk)
+        b = _Bucket(params, offsets, chunk, flat, reduced[mine[0]:mine[1]].clone(),
+                    reduced[self.world * chunk:].clone())
+        for p, a in zip(params, offsets):
+            e = a + p.numel()
+            for lo, hi, grads in ((*mine, b.grad), (b.shared, numel, b.tail)):
+                s, t = max(a, lo), min(e, hi)
+                if s < t:
+                    b.pieces.append(_Piece(p, s - a, t - a, flat[s:t], grads[s - lo:t - lo]))
+        return b
+
+    def _cut_state(self) -> None:
+        """Replace each bucket parameter's optimizer state by its pieces' shares."""
+        state = self.optimizer.state
+        for b in self.buckets.values():
+            for piece in b.pieces:
+                whole = state.get(piece.param)
+                if whole:
+                    state[piece.tensor] = {k: _cut(v, piece.param, piece.lo, piece.hi) for k, v in whole.items()}
+            for p in b.params:
+                state.pop(p, None)
+
+    # ------------------------------------------------------------------ state dicts (collectives once sharded)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's whole state dict, as DDP's optimizer would give it (every rank calls it)."""
+        opt = self.optimizer
+        if not self.sharded:
+            return type(opt).state_dict(opt)
+        held = opt.state
+        pieces = {id(pc.tensor) for b in self.buckets.values() for pc in b.pieces}
+        whole: defaultdict = defaultdict(dict, ((p, s) for p, s in held.items() if id(p) not in pieces))
+        for b in self.buckets.values():
+            whole.update(self._gather_bucket(b))
+        opt.state = whole
+        try:
+            return type(opt).state_dict(opt)
+        finally:
+            opt.state = held
+
+    def _gather_bucket(self, b: _Bucket) -> dict[torch.Tensor, dict[str, Any]]:
+        """Each bucket parameter's whole state, gathered from every rank's pieces."""
+        state = self.optimizer.state
+        first = next((pc for pc in b.pieces if state.get(pc.tensor)), None)
+        if first is None:  # nothing stepped yet
+            return {}
+        shaped = sorted(k for k, v in state[first.tensor].items()
+                        if torch.is_tensor(v) and v.shape == first.tensor.shape)
+        flats = {}
+        for key in shaped:
+            flat = torch.empty_like(b.flat)
+            for piece in b.pieces:
+                start = b.offsets[_index(b.params, piece.param)] + piece.lo
+                flat[start:start + piece.hi - piece.lo].copy_(state[piece.tensor][key])
+            if b.chunk:
+                mine = flat[self.rank * b.chunk:(self.rank + 1) * b.chunk].clone()
+                _all_gather(flat[:b.shared], mine, group=self.group)
+            flats[key] = flat
+        out = {}
+        for p, a in zip(b.params, b.offsets):
+            entry = {k: v.clone() if torch.is_tensor(v) else v
+                     for k, v in state[first.tensor].items() if k not in flats}
+            entry.update((k, flat[a:a + p.numel()].view_as(p)) for k, flat in flats.items())
+            out[p] = entry
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a whole (DDP-style) optimizer state dict; once sharded, keep this rank's pieces."""
+        opt = self.optimizer
+        type(opt).load_state_dict(opt, state_dict)
+        if self.sharded:
+            self._cut_state()
+
+    # ------------------------------------------------------------------ for clip_grad_norm_
+
+    def grad_shares(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The reduced gradients: this rank's shares, and the tails every rank holds alike."""
+        return ([b.grad for b in self.buckets.values() if b.grad.numel()],
+                [b.tail for b in self.buckets.values() if b.tail.numel()])
