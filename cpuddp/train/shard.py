@@ -231,8 +231,9 @@ def gather_places(node_of: Callable[[], tuple[int, int, int]], group: Any) -> li
     """Every rank's ``(node, local rank, ranks on its node)``, in rank order (one collective)."""
     import torch.distributed as dist
 
+    mine = tuple(node_of())
     places: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(places, tuple(node_of()), group=group)
+    dist.all_gather_object(places, mine, group=group)
     return [tuple(p) for p in places]
 
 
@@ -270,6 +271,10 @@ def apply_full(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], *, 
 
     found = find_blocks(model, blocks)
     shared = shared_across_blocks(model, found)
+    if shared and blocks is None:  # the default policy leaves tied leaves (embedding + head) to the root
+        tied = {n.rsplit(".", 1)[0] for names in shared.values() for n in names}
+        found = [(n, m) for n, m in found if not (n in tied and isinstance(m, (nn.Linear, nn.Embedding)))]
+        shared = shared_across_blocks(model, found)
     if shared:
         first, every = next(iter(shared.items()))
         raise PrepareError(

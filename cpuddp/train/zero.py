@@ -188,10 +188,11 @@ class ZeroStep:
                 f"cpuddp shard='optimizer': DDP's gradient bucket {index} changed after the optimizer was "
                 "sharded; cpuddp expects DDP to rebuild its buckets only after the first iteration")
         works, n = [], b.shared
-        if b.chunk:
-            works.append(_reduce_scatter(b.grad, buf[:n], group=self.group, async_op=True))
-        if b.tail.numel():
-            works.append(dist.all_reduce(buf[n:], group=self.group, async_op=True))
+        with torch.profiler.record_function("cpuddp::shard::reduce_scatter"):
+            if b.chunk:
+                works.append(_reduce_scatter(b.grad, buf[:n], group=self.group, async_op=True))
+            if b.tail.numel():
+                works.append(dist.all_reduce(buf[n:], group=self.group, async_op=True))
 
         def finish() -> torch.Tensor:
             b.grad.div_(self.world)
@@ -212,6 +213,10 @@ class ZeroStep:
             self._last = layout
         self._seen = {}
         if self.sharded:
+            if len(self.optimizer.param_groups) != len(self._step_params):
+                raise RuntimeError(
+                    "cpuddp shard='optimizer': a param group was added after the optimizer was sharded; add every "
+                    "group before cpuddp.prepare()")
             for group, params in zip(self.optimizer.param_groups, self._step_params):
                 group["params"] = params
             for b in self.buckets.values():
@@ -224,14 +229,15 @@ class ZeroStep:
         for group, params in zip(self.optimizer.param_groups, self._model_params):
             group["params"] = params
         works = []
-        for b in self.buckets.values():
-            for piece in b.pieces:
-                piece.tensor.grad = None
-            if b.chunk:
-                mine = b.flat[self.rank * b.chunk:(self.rank + 1) * b.chunk]
-                works.append(_all_gather(b.flat[:b.shared], mine, group=self.group, async_op=True))
-        for w in works:
-            w.wait()
+        with torch.profiler.record_function("cpuddp::shard::all_gather"):
+            for b in self.buckets.values():
+                for piece in b.pieces:
+                    piece.tensor.grad = None
+                if b.chunk:
+                    mine = b.flat[self.rank * b.chunk:(self.rank + 1) * b.chunk]
+                    works.append(_all_gather(b.flat[:b.shared], mine, group=self.group, async_op=True))
+            for w in works:
+                w.wait()
 
     # ------------------------------------------------------------------ sharding, once
 
