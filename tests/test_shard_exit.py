@@ -3,9 +3,11 @@
 ``ZeroRedundancyOptimizer`` + DDP on plain gloo died at exit with SIGABRT ("terminate called
 without an active exception") in 2 of 4 runs (issue 29): a gloo worker thread still releasing
 a finished Work's Python-owned tensors while the interpreter shuts down (docs/prepare.md,
-"Exit").  Each run here trains a few steps with ``prepare(shard=...)`` and returns from the
-script without ``cpuddp.shutdown()``; every rank must exit 0 with no "terminate called" in its
-stderr.  Backends alternate between gloo and shm.
+"Exit").  Each run here trains a few steps with ``prepare(shard=...)`` and ends the script in
+one of three ways, in turn: returning (cpuddp's atexit shuts down), ``cpuddp.shutdown()``, or
+torch's own ``destroy_process_group()`` (after which plain-torch ZeRO+DDP still aborted in 1 of 8
+runs here).  Every rank must exit 0 with no "terminate called" in its stderr.  Backends
+alternate between gloo and shm.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 import cpuddp
 
-shard, backend = sys.argv[1], sys.argv[2]
+shard, backend, ending = sys.argv[1], sys.argv[2], sys.argv[3]
 cpuddp.init_distributed(backend=backend, pin=False, timeout=60)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10))
@@ -41,16 +43,21 @@ for _ in range(6):
     opt.step()
     opt.zero_grad()
 state = opt.state_dict()  # a collective for shard="optimizer": gathers every rank's share
+opt.step()  # the last collectives: shard="optimizer"'s all-gather
+if ending == "shutdown":
+    cpuddp.shutdown()
+elif ending == "destroy":
+    torch.distributed.destroy_process_group()
 '''
 
 
-def _run(script: Path, shard: str, backend: str, logdir: Path, i: int) -> list[tuple[int, str]]:
+def _run(script: Path, shard: str, backend: str, ending: str, logdir: Path, i: int) -> list[tuple[int, str]]:
     """One 2-rank run: each rank's (exit code, stderr)."""
     logs = [logdir / f"{shard}-{i}-rank{r}.err" for r in range(2)]
     with _procs.LocalWorld(2, RUN_TIMEOUT) as world:
         for r in range(2):
             with open(logs[r], "w") as err:
-                popen = subprocess.Popen([sys.executable, str(script), shard, backend], env=world.environ(r),
+                popen = subprocess.Popen([sys.executable, str(script), shard, backend, ending], env=world.environ(r),
                                          stdout=subprocess.DEVNULL, stderr=err)
             world.add(_procs.Command(popen))
         exits = _procs.wait_exit_codes(world.procs, RUN_TIMEOUT, grace=20.0)
@@ -65,8 +72,8 @@ def test_no_abort_at_exit_over_20_runs(tmp_path, shard):
     script.write_text(SCRIPT)
     bad = []
     for i in range(RUNS):
-        backend = ("gloo", "shm")[i % 2]
-        for rank, (code, err) in enumerate(_run(script, shard, backend, tmp_path, i)):
+        backend, ending = ("gloo", "shm")[i % 2], ("return", "shutdown", "destroy")[i % 3]
+        for rank, (code, err) in enumerate(_run(script, shard, backend, ending, tmp_path, i)):
             if code != 0 or "terminate called" in err:
-                bad.append(f"run {i} ({backend}) rank {rank}: exit {code}\n{err[-1500:]}")
+                bad.append(f"run {i} ({backend}, {ending}) rank {rank}: exit {code}\n{err[-1500:]}")
     assert not bad, f"{len(bad)} rank exit(s) failed in {RUNS} runs:\n" + "\n".join(bad[:3])

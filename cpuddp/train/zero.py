@@ -128,10 +128,21 @@ class _Bucket:
     grad: torch.Tensor  # this rank's reduced share
     tail: torch.Tensor  # the reduced last numel - world * chunk elements (every rank)
     pieces: list[_Piece] = field(default_factory=list)
+    #: The views handed to collectives, kept for the bucket's life: a gloo worker that drops the
+    #: last reference to a tensor Python created must take the GIL to free it, and one that does
+    #: so while the interpreter exits aborts the process ("terminate called without an active
+    #: exception"); with Python holding these, the worker's release frees nothing.
+    views: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def shared(self) -> int:
         return self.flat.numel() - self.tail.numel()
+
+    def grad_views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DDP's bucket buffer split at ``shared`` (the same views while DDP keeps the buffer)."""
+        if self.views.get("buffer") is None or self.views["buffer"].data_ptr() != buf.data_ptr():
+            self.views.update(buffer=buf, head=buf[:self.shared], tail=buf[self.shared:])
+        return self.views["head"], self.views["tail"]
 
 
 def _index(items: tuple, item: Any) -> int:
@@ -187,17 +198,17 @@ class ZeroStep:
             raise RuntimeError(
                 f"cpuddp shard='optimizer': DDP's gradient bucket {index} changed after the optimizer was "
                 "sharded; cpuddp expects DDP to rebuild its buckets only after the first iteration")
-        works, n = [], b.shared
+        works, (head, tail) = [], b.grad_views(buf)
         with torch.profiler.record_function("cpuddp::shard::reduce_scatter"):
             if b.chunk:
-                works.append(_reduce_scatter(b.grad, buf[:n], group=self.group, async_op=True))
+                works.append(_reduce_scatter(b.grad, head, group=self.group, async_op=True))
             if b.tail.numel():
-                works.append(dist.all_reduce(buf[n:], group=self.group, async_op=True))
+                works.append(dist.all_reduce(tail, group=self.group, async_op=True))
 
         def finish() -> torch.Tensor:
             b.grad.div_(self.world)
             if b.tail.numel():
-                b.tail.copy_(buf[n:]).div_(self.world)
+                b.tail.copy_(tail).div_(self.world)
             return buf
 
         return _future(works, finish)
@@ -234,8 +245,7 @@ class ZeroStep:
                 for piece in b.pieces:
                     piece.tensor.grad = None
                 if b.chunk:
-                    mine = b.flat[self.rank * b.chunk:(self.rank + 1) * b.chunk]
-                    works.append(_all_gather(b.flat[:b.shared], mine, group=self.group, async_op=True))
+                    works.append(_all_gather(b.views["gathered"], b.views["mine"], group=self.group, async_op=True))
             for w in works:
                 w.wait()
 
@@ -278,6 +288,7 @@ class ZeroStep:
         mine = (self.rank * chunk, (self.rank + 1) * chunk)
         b = _Bucket(params, offsets, chunk, flat, reduced[mine[0]:mine[1]].clone(),
                     reduced[self.world * chunk:].clone())
+        b.views.update(gathered=flat[:b.shared], mine=flat[mine[0]:mine[1]])
         for p, a in zip(params, offsets):
             e = a + p.numel()
             for lo, hi, grads in ((*mine, b.grad), (b.shared, numel, b.tail)):
