@@ -37,6 +37,9 @@ What it does, in order:
    ``comm_hook="bf16"`` first probes that the backend all-reduces bf16 correctly (gloo
    failed to in some torch versions, pytorch issue 111131) and then registers cpuddp's own
    bf16 hook (torch refuses its ``bf16_compress_hook`` on CPU by the hook's name).
+   ``shard="optimizer"`` keeps the DDP wrap with a reduce-scatter hook and shards the
+   optimizer (:mod:`cpuddp.train.zero`); ``shard="full"`` shards the model with FSDP2 instead
+   (:mod:`cpuddp.train.shard`: blocks, HSDP mesh, bf16 policy, the optimizer rebound).
 4. ``compile=True`` (or a dict of ``torch.compile`` keyword arguments) compiles the result.
 5. With bf16 active, the returned module's forward runs under
    ``torch.autocast("cpu", dtype=torch.bfloat16)`` (a forward pre-hook and an
