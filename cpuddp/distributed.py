@@ -66,7 +66,6 @@ import dataclasses
 import datetime
 import logging
 import os
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Optional
@@ -471,9 +470,9 @@ def _destroy_group(timeout: float) -> None:
         return
     if _abandoned is not None:
         return
-    shm = sys.modules.get("cpuddp.backends.shm.group")
-    if shm is not None:  # peers waiting for this rank learn at once that it left
-        shm.leave_groups()
+    from cpuddp.backends.registry import leave_all
+
+    leave_all()  # peers waiting for this rank (shm) learn at once that it left
     done = threading.Event()
 
     def _destroy() -> None:

@@ -14,6 +14,7 @@ __all__ = [
     "CpuddpError",
     "LauncherEnvError",
     "BackendError",
+    "GroupShutDownError",
     "RendezvousError",
     "PrepareError",
     "RankFailedError",
@@ -107,6 +108,10 @@ class LauncherEnvError(CpuddpError, ValueError):
 
 class BackendError(CpuddpError, RuntimeError):
     """The requested collective backend cannot run here (missing, mismatched, unknown)."""
+
+
+class GroupShutDownError(BackendError):
+    """A process group was used after it was shut down (or by a forked child of its rank)."""
 
 
 class RendezvousError(CpuddpError, RuntimeError):

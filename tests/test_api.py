@@ -100,11 +100,11 @@ SUBMODULES = {
     "cpuddp.topology": {
         "LogicalCpu", "Topology", "read_topology", "synthetic_topology", "cpu_features", "effective_cpu_count",
         "parse_cpulist", "format_cpulist"},
-    "cpuddp.shm": {"NAME", "ShmProcessGroup", "register", "eligibility", "SUPPORTED_DTYPES", "INTER_VAR"},
+    "cpuddp.shm": {"NAME", "ShmProcessGroup", "ShmOptions", "register", "eligibility", "INTER_VAR"},
     "cpuddp.testing": {"run_distributed", "clean_environ", "is_launcher_variable", "LAUNCHER_ENV_PREFIXES",
                        "LAUNCHER_ENV_NAMES"},
     "cpuddp.lightning": {"trainer_strategy", "fabric_strategy", "cluster_environment", "lightning_ranks"},
-    "cpuddp.errors": {"CpuddpError", "LauncherEnvError", "BackendError", "RendezvousError", "PrepareError",
+    "cpuddp.errors": {"CpuddpError", "LauncherEnvError", "BackendError", "GroupShutDownError", "RendezvousError", "PrepareError",
                       "RankFailedError", "how_it_ended", "first_line"},
 }
 

@@ -22,7 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "shm_ranks.py"
 
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64")
-OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX")
+OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
+BITWISE = ("BAND", "BOR", "BXOR")
 #: elements: one, odd, exactly a 1 MiB fp32 slot, several slots plus a ragged tail
 SIZES = (1, 1023, 262144, 600001)
 
@@ -50,13 +51,12 @@ def _expected(n: int, numel: int, dtype_name: str, op: str):
     import torch
 
     parts = [_data(r, numel, dtype_name, op) for r in range(n)]
-    if op == "AVG":
-        parts = [p / n for p in parts]
-    fn = {"SUM": torch.add, "AVG": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum}[op]
+    fn = {"SUM": torch.add, "AVG": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum,
+          "BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op]
     out = fn(parts[0], parts[1])
     for p in parts[2:]:
         out = fn(out, p)
-    return out
+    return out / n if op == "AVG" else out
 
 
 def _digest(t) -> str:
@@ -76,7 +76,8 @@ def _matrix(sizes):
     out = {}
     for dtype_name in DTYPES:
         for op in OPS:
-            if op == "AVG" and not getattr(torch, dtype_name).is_floating_point:
+            floating = getattr(torch, dtype_name).is_floating_point
+            if (op == "AVG" and not floating) or (op in BITWISE and floating):
                 continue
             for numel in sizes:
                 t = _data(rank, numel, dtype_name, op)
@@ -89,56 +90,49 @@ def _matrix(sizes):
     return out
 
 
-def _delegation():
-    """What gloo does for the shm group: other collectives, ops, layouts; keyword arguments."""
+def _interface():
+    """torch's interface to the group: the Work/future, the pybind overloads, keyword forms,
+    subgroups, and the errors a wrong call gets (before anything moves)."""
     import torch
     import torch.distributed as dist
+
+    from cpuddp.errors import BackendError
 
     rank, n = dist.get_rank(), dist.get_world_size()
     pg = dist.group.WORLD
     calls = pg.shm_calls
-    b = torch.full((5,), float(rank))
-    dist.broadcast(b, src=n - 1)
-    assert b.tolist() == [float(n - 1)] * 5
-    got = [torch.zeros(3) for _ in range(n)]
-    dist.all_gather(got, torch.full((3,), float(rank)))
-    assert [g[0].item() for g in got] == [float(r) for r in range(n)]
-    out = torch.zeros(2)
-    dist.reduce_scatter_tensor(out, torch.arange(2 * n, dtype=torch.float32))
-    assert out.tolist() == [float(n * (2 * rank)), float(n * (2 * rank + 1))]
-    dist.barrier()
-    pg.barrier(opts=dist.BarrierOptions()).wait()  # delegated methods take keywords
-    t = torch.tensor([rank + 1], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.BAND)  # not a shm op: gloo
-    want = 1
-    for r in range(2, n + 1):
-        want &= r
-    assert t.item() == want
-    nc = torch.arange(12, dtype=torch.float32).view(3, 4).t()  # not contiguous: gloo
-    dist.all_reduce(nc)
-    assert torch.equal(nc, n * torch.arange(12, dtype=torch.float32).view(3, 4).t())
-    booleans = torch.tensor([rank == 0, True])
-    dist.all_reduce(booleans, op=dist.ReduceOp.MAX)  # bool: gloo
-    assert booleans.tolist() == [True, True]
-    assert pg.shm_calls == calls, "delegated calls went through shm"
-    # async_op and the Work/future interface
     x = torch.ones(1000)
     work = dist.all_reduce(x, async_op=True)
     work.wait()
     assert work.get_future().value()[0] is x and x[0].item() == n
-    # the pybind overloads: pg.allreduce(tensor), pg.allreduce([tensor], ReduceOp)
     y = torch.ones(4)
-    pg.allreduce(y).wait()
+    pg.allreduce(y).wait()  # pybind overloads: allreduce(tensor), allreduce([tensor], ReduceOp)
     pg.allreduce([y], dist.ReduceOp.MAX).wait()
     assert y.tolist() == [float(n)] * 4
-    assert pg.shm_calls == calls + 3
-    # a subgroup is a shm group of its own
-    sub = dist.new_group(list(range(n)))
-    z = torch.ones(3)
+    pg.barrier(opts=dist.BarrierOptions()).wait()  # keywords
+    b = torch.full((3,), float(rank))
+    pg.broadcast(b, n - 1).wait()  # broadcast(tensor, root)
+    assert b.tolist() == [float(n - 1)] * 3
+    booleans = torch.tensor([rank == 0, True])
+    dist.all_reduce(booleans, op=dist.ReduceOp.MAX)
+    assert booleans.tolist() == [True, True]
+    assert pg.shm_calls == calls + 6
+    errors = []
+    for bad in (lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG),
+                lambda: dist.all_reduce(torch.ones(2).to_sparse()),
+                lambda: pg.allreduce([torch.ones(2), torch.ones(2)]).wait()):
+        try:
+            bad()
+        except BackendError as exc:
+            errors.append(str(exc).splitlines()[0])
+    assert pg.shm_calls == calls + 6  # refused before anything was agreed or moved
+    z = torch.ones(3)  # the group still works
+    dist.all_reduce(z)
+    sub = dist.new_group(list(range(n)))  # a subgroup is a shm group of its own
     dist.all_reduce(z, group=sub)
-    assert z.tolist() == [float(n)] * 3 and sub.shm_calls == 1
+    assert z.tolist() == [float(n * n)] * 3 and sub.shm_calls == 1
     assert dist.get_backend() == "shm"
-    return pg.reason
+    return pg.reason, errors
 
 
 def _ddp_vs_gloo(steps: int = 6):
@@ -182,12 +176,18 @@ def _ddp_vs_gloo(steps: int = 6):
 def test_two_ranks_every_dtype_and_op_exact_and_identical_across_ranks():
     res = run_distributed(_matrix, 2, args=(SIZES,), backend="shm", timeout=240)
     assert res[0] == res[1]
-    assert len(res[0]) == len(SIZES) * (len(DTYPES) * len(OPS) - 5)
+    floats, ints = 4, 5
+    assert len(res[0]) == len(SIZES) * (floats * (len(OPS) - len(BITWISE)) + ints * (len(OPS) - 1))
 
 
 @pytest.mark.slow
-def test_two_ranks_delegate_the_rest_to_gloo():
-    assert run_distributed(_delegation, 2, backend="shm", timeout=120) == ["shared memory among 2 ranks"] * 2
+def test_two_ranks_torch_interface_and_clear_errors_for_wrong_calls():
+    for reason, errors in run_distributed(_interface, 2, backend="shm", timeout=120):
+        assert reason == "shared memory among 2 ranks"
+        assert len(errors) == 3, errors
+        assert "ReduceOp.AVG of torch.int32 tensors" in errors[0]
+        assert "sparse_coo tensor" in errors[1]
+        assert "got 2 tensors for one rank" in errors[2]
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
-"""``shm``: a shared-memory allreduce for the ranks of one node, gloo for everything else.
+"""``shm``: cpuddp's process group -- every collective between the ranks of a node through
+shared memory, nothing between them through sockets anyone else can reach.
 
 Use::
 
@@ -8,142 +9,672 @@ Use::
     import cpuddp.shm                                # registers "shm" with torch.distributed
     torch.distributed.init_process_group("shm")      # plain torch, no pinning (frameworks: docs/frameworks.md)
 
-Importing this module registers the backend with ``torch.distributed.Backend`` (idempotent).
-``import cpuddp`` alone does not (it never imports torch); :func:`cpuddp.init_distributed`
-imports this module when the chosen backend is ``shm``.  Hugging Face Trainer and accelerate
-refuse backend names they do not know: there, call :func:`cpuddp.init_distributed` first
-(docs/frameworks.md).
+What it does: all_reduce (and its coalesced form), reduce, broadcast, all_gather (list, single
+tensor and coalesced forms, the torch 2.13 names ``all_gather_single*`` and the old ones),
+reduce_scatter (likewise ``reduce_scatter_single*``), gather, scatter, all_to_all and
+all_to_all_single, barrier, and send/recv, for dense CPU tensors of any layout (a strided
+tensor goes through a contiguous staging copy and back) -- through the node's shared segment
+(:mod:`cpuddp.backends.shm.local`) and, between the node's ranks, its sockets for send/recv
+(:mod:`cpuddp.backends.shm.p2p`).  Across nodes: shared memory inside each node and gloo (or
+oneCCL) between them (:mod:`cpuddp.backends.shm.cross`).  Nodes that run different numbers of
+ranks, or one rank each, run every collective on gloo (the reason is logged).
 
-What goes through shared memory: ``allreduce`` of contiguous dense CPU tensors of float32,
-float64, float16, bfloat16, int8, uint8, int16, int32 and int64 with SUM, AVG (floating
-types; each rank divides by the world size as it copies in), PRODUCT, MIN and MAX.  The
-result is bit-identical on every rank: each element is reduced in rank order by one code path.
-Everything else -- other collectives, other ops and dtypes, sparse or non-contiguous tensors --
-runs on an inner ``ProcessGroupGloo`` over the same store, called from Python (never through
-torch's C++ fallback, which enters gloo holding the GIL and can deadlock with gloo's worker
-freeing a Python-owned tensor: docs/backends.md).
+Every collective is agreed first (:mod:`cpuddp.backends.shm.agree`): a mismatch between the
+node's ranks is an error on every rank naming both calls, never a wrong result.  Errors raise
+from the call (or its ``wait()``), and break the group: later calls raise at once.
 
-Asynchronous: every collective returns its ``Work`` at once; a communication thread per group
-does the work in issue order, so DDP's reducer goes on with backward while buckets are summed.
-Before data moves the node's ranks agree on the call (:mod:`cpuddp.backends.shm.agree`: call number,
-collective, op, dtype, element count, root, shared memory or gloo): a mismatch is an error on
-every rank naming both calls, never a wrong result.  Errors surface from ``wait()``.
+The group's torch-side name needs a backend object registered for the CPU; it is a
+``FakeProcessGroup`` that raises if anything calls it (nothing does: every path torch has --
+its Python API, DDP's reducer, functional collectives, FSDP2, DCP -- reaches these methods).
 
-Data path (one anonymous segment per node and group, two buffers of one slot per rank, one
-control line per rank): per chunk of at most one slot, each rank copies its chunk in, raises
-its counter, and waits until every local peer's counter reached it; then
+Lifecycle: ``shutdown``/``destroy_process_group`` and ``cpuddp.shutdown`` leave the group
+(peers waiting for this rank stop at once); any use after that raises
+:class:`~cpuddp.errors.GroupShutDownError`; a forked child can neither use its parent's group
+nor leave it (:mod:`cpuddp.backends.shm.segment`).  Each group forms under a key prefix of its
+own in the store (``shm/<n>/``, n counting this rank's groups), so a group formed again in the
+same processes never reads a key the last one left.
 
-* 2 ranks on the node: each rank sums ``slot0 + slot1`` into its own tensor;
-* 3 or more: rank ``i`` reduces part ``i`` of the chunk over all slots into its slot of the
-  other buffer, a second counter round, then every rank copies all parts out;
-* several nodes (same number of ranks on each): the reduce-scatter above, one allreduce of
-  each rank's parts among the ranks with the same local rank on every node (gloo, or oneCCL
-  when ``CPUDDP_SHM_INTER=ccl``), then the all-gather through shared memory.
-
-Waiting: ``os.sched_yield()`` for the first 2 ms (not at all when the node's ranks outnumber
-the CPUs they may use), then 0.2 ms sleeps; every 0.1 s the waiting rank checks that its local
-peers live (the kernel-held lock of :meth:`cpuddp.backends.shm.segment.Segment.alive`, which works
-across PID namespaces, and the pid where it is visible) and have not left the group.  A peer
-that died, left (``shutdown``/``destroy_process_group``) or gave up (the abort word) ends the
-wait with an error naming it at once; otherwise the group timeout does.  After an error the
-group is broken: every later collective raises at once.
-
-Security (docs/security.md): the segment is a ``memfd`` handed over a Unix socket whose peer
-credentials are checked; nothing is mapped because a store value names it.
-
-Environment variables read: ``CPUDDP_SHM_SLOT`` (:mod:`cpuddp.backends.shm.check`), ``CPUDDP_SHM_INTER``
-(``gloo`` or ``ccl``: the node-to-node leg), ``CPUDDP_SHM_ASYNC`` (``0``: every collective in the
-caller's thread).
-
-The code: this module is the process group (torch's interface, the issue path, delegation);
-:mod:`cpuddp.backends.shm.path` the data path and the waiting; :mod:`cpuddp.backends.shm.agree` the per-call
-agreement; :mod:`cpuddp.backends.shm.segment` the node's ranks and the segment;
-:mod:`cpuddp.backends.shm.check` whether it can run here and how much it reserves.
+Options: :class:`~cpuddp.backends.shm.api.ShmOptions` as ``pg_options``; without them
+``CPUDDP_SHM_INTER``, ``CPUDDP_SHM_ASYNC`` and ``CPUDDP_SHM_SLOT`` are read.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
-import queue
-import threading
 import time
-import weakref
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from cpuddp.errors import BackendError
+from cpuddp.errors import BackendError, GroupShutDownError
 
+from . import api
 from . import check as shm_check
-from .agree import Call, encode
-from .path import SUPPORTED_DTYPES, DataPath
-from .segment import C_STATE, STATE_LEFT, map_segment, parse_who, plan_node, whoami
+from .agree import encode
+from .cross import Hierarchy, cross_group
+from .handover import map_segment
+from .local import LocalEngine
+from .node import NodePlan, check_local_size, parse_who, plan_node, whoami
+from .ops import AVG, SUM, check_tensors, flat_bytes, reducer, staged
+from .p2p import PeerLinks
+from .segment import C_STATE, STATE_LEFT
+from .stream import Stream, async_setting
+from .wait import Waiter
 
-__all__ = ["NAME", "ShmProcessGroup", "register", "eligibility", "SUPPORTED_DTYPES", "INTER_VAR"]
+__all__ = ["NAME", "ShmProcessGroup", "register", "eligibility"]
 
 log = logging.getLogger("cpuddp.shm")
 
 NAME = shm_check.NAME
 eligibility = shm_check.eligibility
-INTER_VAR = "CPUDDP_SHM_INTER"
-_RedOp = dist.ReduceOp.RedOpType
-_JOIN_TIMEOUT = 10.0
-#: How long shutdown lets gloo's worker threads run on before it returns.  A worker drops its
-#: last reference to a finished Work after the caller's wait() returned; a Work whose tensors'
-#: Python objects it then frees needs the GIL, and at interpreter exit Python ends such a thread
-#: inside a C++ destructor, which aborts the process ("terminate called without an active
-#: exception", a rank killed by SIGABRT after its job is done).
+#: How long shutdown lets gloo's worker threads run on before it returns (multi-node groups).
+#: A worker drops its last reference to a finished Work after the caller's wait() returned; a
+#: Work whose tensors' Python objects it then frees needs the GIL, and at interpreter exit
+#: Python ends such a thread inside a C++ destructor, which aborts the process.
 _SETTLE = 0.05
-#: An allreduce up to this size runs in the caller's thread when the stream is idle: the thread
-#: hop costs more than overlap could win (DDP's buckets are 1 MiB and up).
-_INLINE_BYTES = 64 << 10
-#: ``CPUDDP_SHM_ASYNC=0`` runs every collective in the caller's thread (as before round 3).
-ASYNC_VAR = "CPUDDP_SHM_ASYNC"
 
 
-def _inline_bytes(environ: Any = os.environ) -> float:
-    raw = (environ.get(ASYNC_VAR) or "1").strip().lower()
-    if raw in ("1", "true", "yes", "on"):
-        return _INLINE_BYTES
-    if raw in ("0", "false", "no", "off"):
-        return float("inf")
-    raise BackendError(f"{ASYNC_VAR}={environ.get(ASYNC_VAR)!r} is neither 1 nor 0",
-                       fix=f"set {ASYNC_VAR}=0 to run every shm collective in the caller's thread, or unset it")
+def _name_holder(rank: int, size: int) -> Any:
+    """A backend object for the group's name (torch keeps it there); it raises if called."""
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    opts = FakeProcessGroup.Options()
+    if hasattr(opts, "error_on_collective"):
+        opts.error_on_collective = True
+    create = getattr(FakeProcessGroup, "_create_internal", None)
+    return create(rank, size, opts) if create is not None else FakeProcessGroup(rank, size, opts)
 
 
-def _root(opts: Any, args: Sequence[Any]) -> Optional[int]:
-    root = getattr(opts, "rootRank", None)
-    if root is None and len(args) > 1 and isinstance(args[1], int):
-        root = args[1]
-    return root
+class ShmProcessGroup(dist.ProcessGroup):
+    """The ``shm`` process group (see the module docstring)."""
+
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta,
+                 options: Optional[api.ShmOptions] = None) -> None:
+        super().__init__(rank, size)
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, _name_holder(rank, size))
+        self._options = options or api.ShmOptions.from_environ(size)
+        self._timeout = timeout
+        self._closed: Optional[str] = None
+        self._pid = os.getpid()
+        self._eng: Optional[LocalEngine] = None
+        self._hier: Optional[Hierarchy] = None
+        self._links: Optional[PeerLinks] = None
+        self._world: Any = None  # gloo over every rank: across nodes only (all_to_all, send/recv)
+        self._plan: Optional[NodePlan] = None
+        self.reason = self._setup(store, rank, size, timeout)
+        threaded = self._eng is not None and async_setting(self._options.async_comm)
+        self._stream = Stream(rank, threaded, self._on_error, self._thread_setup)
+        api.track(self)
+        if rank == 0:
+            log.info("cpuddp.shm: group of %d: %s", size, self.reason)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _setup(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> str:
+        """Find the node's ranks through ``store``, map the node's segment; the mode's reason."""
+        store = dist.PrefixStore(f"shm/{store.add(f'shm/joins/{rank}', 1)}/", store)
+        store.set(f"who/{rank}", whoami())
+        plan = plan_node([parse_who(store.get(f"who/{r}"), f"who/{r}") for r in range(size)], rank)
+        check_local_size(plan, self._options.local_size, rank)
+        self._plan = plan
+        if plan.whole_gloo is not None:
+            self._world = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+            return plan.whole_gloo
+        seconds = timeout.total_seconds()
+        seg, socks = map_segment(store, rank, plan, seconds, shm_check.slot_bytes(os.environ))
+        waiter = Waiter(seg, plan.local, plan.peer_pids, rank, seconds, plan.spin)
+        self._eng = LocalEngine(seg, plan.local, rank, waiter)
+        self._links = PeerLinks({plan.local[j]: s for j, s in socks.items()}, rank)
+        if plan.nodes == 1:
+            return f"shared memory among {plan.local_size} ranks"
+        cross = cross_group(dist.PrefixStore(f"cross/{plan.local_rank}/", store), plan, timeout, self._options.inter)
+        self._hier = Hierarchy(self._eng, plan, cross)
+        self._world = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        return (f"shared memory within each of {plan.nodes} nodes ({plan.local_size} ranks each), "
+                f"{self._options.inter} between them")
+
+    def _thread_setup(self) -> None:
+        """On the communication thread: its ops use one OpenMP thread; it yields only briefly."""
+        import ctypes
+        import threading
+
+        with contextlib.suppress(AttributeError, OSError):
+            ctypes.CDLL(None).omp_set_num_threads(1)
+        if self._eng is not None:
+            self._eng.waiter.comm_thread = threading.get_ident()
+
+    @property
+    def shm_calls(self) -> int:
+        """Collectives agreed through shared memory so far (tests and benchmarks read it)."""
+        return self._eng.calls if self._eng is not None else 0
+
+    def getBackendName(self) -> str:  # noqa: N802  (torch's name)
+        return NAME
+
+    # ------------------------------------------------------------------ running a call
+
+    def _usable(self) -> None:
+        if self._closed is not None:
+            raise GroupShutDownError(f"this shm process group was {self._closed}: it cannot run collectives any "
+                                     "more", fix="use the group of a new init (cpuddp.init_distributed()), and "
+                                                 "wrap the model again (cpuddp.prepare or DDP) after a re-init")
+        if os.getpid() != self._pid:
+            raise GroupShutDownError(f"this process (pid {os.getpid()}) is a fork of rank {self.rank()} (pid "
+                                     f"{self._pid}): a forked child cannot use its parent's process group",
+                                     fix="run collectives in the parent only (DataLoader workers need none)")
+
+    def _run(self, kind: str, agreed: Sequence[torch.Tensor], body: Callable[[], None], result: Any, *,
+             op: Any = None, root: Optional[int] = None, check: Sequence[Any] = ()) -> Any:
+        """Agree on the call, then run ``body`` (in this thread or the group's)."""
+        self._usable()
+        check_tensors(check or agreed, kind)
+        call = encode(kind, agreed, op=None if op is None else int(op), root=root)
+        eng = self._eng
+
+        def run() -> None:
+            eng.begin(call)  # type: ignore[union-attr]
+            body()
+
+        nbytes = sum(t.numel() * t.element_size() for t in agreed)
+        return self._stream.run(run, result, nbytes)
+
+    def _on_error(self, exc: BaseException) -> None:
+        if self._eng is not None:
+            self._eng.fail(str(exc))
+
+    def _local(self, rank: int) -> int:
+        """This node's local rank of group rank ``rank`` (single-node groups)."""
+        if not 0 <= rank < self.size():
+            raise BackendError(f"root/peer rank {rank} is not a rank of this group of {self.size()}",
+                               fix=f"pass a rank from 0 to {self.size() - 1}")
+        return self._plan.local.index(rank)  # type: ignore[union-attr]
+
+    # ------------------------------------------------------------------ all_reduce, reduce
+
+    def allreduce(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        tensors, code = _one_list(tensors, "all_reduce"), _op(opts, args, kw, "op")
+        if self._eng is None:
+            return self._world.allreduce(tensors, _opts(dist.AllreduceOptions, reduceOp=code))
+        t = tensors[0]
+        fn = reducer(code, t.dtype)
+
+        def body() -> None:
+            with staged(t, out=True) as flat:
+                self._all_reduce(flat, code, fn)
+
+        return self._run("all_reduce", [t], body, tensors, op=code)
+
+    def _all_reduce(self, flat: torch.Tensor, code: Any, fn: Callable[..., Any]) -> None:
+        if self._hier is not None:
+            self._hier.all_reduce(flat, SUM if code == AVG else code, fn)
+        else:
+            self._eng.all_reduce(flat, fn)  # type: ignore[union-attr]
+        if code == AVG and self.size() > 1:
+            flat.div_(self.size())
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        tensors, code = list(tensors), _op(opts, args, kw, "op")
+        if self._eng is None:
+            return self._world.allreduce_coalesced(tensors, _opts(dist.AllreduceCoalescedOptions, reduceOp=code))
+        fns = [reducer(code, t.dtype) for t in tensors]
+
+        def body() -> None:
+            for t, fn in zip(tensors, fns):
+                with staged(t, out=True) as flat:
+                    self._all_reduce(flat, code, fn)
+
+        return self._run("all_reduce_coalesced", tensors, body, tensors, op=code)
+
+    def reduce(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        if isinstance(tensors, torch.Tensor):  # reduce(tensor, root, op=SUM, timeout=None)
+            root, code = (opts if opts is not None else kw.get("root")), _op(None, args, kw, "op")
+        else:
+            root, code = getattr(opts, "rootRank", 0), _op(opts, (), {}, "op")
+        tensors = _one_list(tensors, "reduce")
+        if self._eng is None:
+            return self._world.reduce(tensors, _opts(dist.ReduceOptions, reduceOp=code, rootRank=root))
+        t = tensors[0]
+        fn = reducer(code, t.dtype)
+        self._check_root(root)
+
+        def body() -> None:
+            with staged(t, out=self.rank() == root) as flat:
+                if self._hier is not None:
+                    self._hier.reduce(flat, root, SUM if code == AVG else code, fn)
+                else:
+                    self._eng.reduce(flat, self._local(root), fn)  # type: ignore[union-attr]
+                if code == AVG and self.rank() == root:
+                    flat.div_(self.size())
+
+        return self._run("reduce", [t], body, tensors, op=code, root=root)
+
+    # ------------------------------------------------------------------ broadcast
+
+    def broadcast(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        if isinstance(tensors, torch.Tensor):  # broadcast(tensor, root, timeout=None)
+            root = opts if opts is not None else kw.get("root", 0)
+        else:
+            root = getattr(opts, "rootRank", 0)
+        tensors = _one_list(tensors, "broadcast")
+        if self._eng is None:
+            return self._world.broadcast(tensors, _opts(dist.BroadcastOptions, rootRank=root))
+        t = tensors[0]
+        self._check_root(root)
+
+        def body() -> None:
+            with staged(t, out=self.rank() != root) as flat:
+                if self._hier is not None:
+                    self._hier.broadcast(flat_bytes(flat), root)
+                else:
+                    self._eng.broadcast(flat_bytes(flat), self._local(root))  # type: ignore[union-attr]
+
+        return self._run("broadcast", [t], body, tensors, root=root)
+
+    # ------------------------------------------------------------------ all_gather, gather
+
+    def allgather(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+        if isinstance(inputs, torch.Tensor):  # allgather(output_list, input, timeout=None)
+            outputs, inputs = [outputs], [inputs]
+        if self._eng is None:
+            return self._world.allgather(outputs, inputs)
+        inputs = _one_list(inputs, "all_gather")
+        outs = self._gather_list(outputs[0], inputs[0], "all_gather")
+        return self._run("all_gather", inputs, lambda: self._all_gather(inputs[0], outs), outputs,
+                         check=[*inputs, *outs])
+
+    def _all_gather(self, inp: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        with contextlib.ExitStack() as stack:
+            fin = stack.enter_context(staged(inp, out=False))
+            flats = [stack.enter_context(staged(o, out=True)) for o in outs]
+            if self._hier is not None:
+                self._hier.all_gather(flat_bytes(fin), [flat_bytes(f) for f in flats])
+            else:
+                self._eng.all_gather(flat_bytes(fin), [flat_bytes(f) for f in flats])  # type: ignore[union-attr]
+
+    def _gather_list(self, outs: Sequence[torch.Tensor], inp: torch.Tensor, what: str) -> List[torch.Tensor]:
+        outs = list(outs)
+        if len(outs) != self.size() or any(o.numel() != inp.numel() or o.dtype != inp.dtype for o in outs):
+            shown = [(tuple(o.shape), str(o.dtype).replace("torch.", "")) for o in outs]
+            raise BackendError(f"{what}: rank {self.rank()} passed output tensors {shown} for an input of "
+                               f"{tuple(inp.shape)} {str(inp.dtype).replace('torch.', '')}",
+                               fix=f"pass {self.size()} output tensors of the input's size and dtype")
+        return outs
+
+    def _single_outs(self, output: torch.Tensor, inp: torch.Tensor, what: str) -> Tuple[List[torch.Tensor], Any]:
+        """Views of ``output`` (``size`` times ``inp``) as one tensor per rank, and the staging."""
+        if output.numel() != self.size() * inp.numel() or output.dtype != inp.dtype:
+            raise BackendError(f"{what}: rank {self.rank()} passed an output of {output.numel()} "
+                               f"{str(output.dtype).replace('torch.', '')} elements for an input of {inp.numel()} "
+                               f"{str(inp.dtype).replace('torch.', '')}",
+                               fix=f"pass an output of {self.size()} x the input's elements and its dtype")
+        stage = staged(output, out=True)
+        return list(stage.flat.view(self.size(), -1)) if inp.numel() else [stage.flat] * self.size(), stage
+
+    def all_gather_single(self, output: Any, input: Any, *args: Any, **kw: Any) -> Any:  # noqa: A002
+        if self._eng is None:
+            return self._world._allgather_base(output, input)
+        return self._all_gather_singles([output], [input], "all_gather_single", output)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+        if self._eng is None:
+            works = [self._world._allgather_base(o, i) for o, i in zip(outputs, inputs)]
+            return _Waits(works, outputs)
+        return self._all_gather_singles(list(outputs), list(inputs), "all_gather_single_coalesced", outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def _all_gather_singles(self, outputs: List[Any], inputs: List[Any], kind: str, result: Any) -> Any:
+        check_tensors([*outputs, *inputs], kind)
+        staged_outs = [self._single_outs(o, i, kind) for o, i in zip(outputs, inputs)]
+
+        def body() -> None:
+            for i, (outs, stage) in zip(inputs, staged_outs):
+                with stage:
+                    self._all_gather(i, outs)
+
+        return self._run(kind, inputs, body, result)
+
+    def allgather_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+        if self._eng is None:
+            return self._world.allgather_coalesced(outputs, inputs)
+        inputs = list(inputs)
+        outs = [self._gather_list(o, i, "all_gather_coalesced") for o, i in zip(outputs, inputs)]
+
+        def body() -> None:
+            for i, o in zip(inputs, outs):
+                self._all_gather(i, o)
+
+        return self._run("all_gather_coalesced", inputs, body, outputs, check=[*inputs, *(t for o in outs for t in o)])
+
+    def gather(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        if isinstance(inputs, torch.Tensor):  # gather(output_list, input, root, timeout=None)
+            root = opts if opts is not None else kw.get("root", 0)
+            outputs, inputs = ([outputs] if outputs else []), [inputs]
+        else:
+            root = getattr(opts, "rootRank", 0)
+        if self._eng is None:
+            return self._world.gather(outputs, inputs, _opts(dist.GatherOptions, rootRank=root))
+        self._check_root(root)
+        inp = _one_list(inputs, "gather")[0]
+        outs = self._gather_list(outputs[0], inp, "gather") if self.rank() == root else None
+        if self.rank() != root and outputs and any(len(o) for o in outputs):
+            raise BackendError(f"gather: rank {self.rank()} is not the root ({root}) but passed output tensors",
+                               fix="pass gather_list only on the root (dst)")
+
+        def body() -> None:
+            with contextlib.ExitStack() as stack:
+                fin = stack.enter_context(staged(inp, out=False))
+                flats = [flat_bytes(stack.enter_context(staged(o, out=True))) for o in outs] if outs else None
+                if self._hier is not None:
+                    self._hier.gather(flat_bytes(fin), flats, root, self.size())
+                else:
+                    local = [None] * self.size() if flats is None else flats
+                    self._eng.all_gather(flat_bytes(fin), local, self._local(root))  # type: ignore[union-attr]
+
+        return self._run("gather", [inp], body, outputs, root=root, check=[inp, *(outs or [])])
+
+    # ------------------------------------------------------------------ reduce_scatter, scatter
+
+    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        if isinstance(outputs, torch.Tensor):  # reduce_scatter(output, input_list, op=SUM, timeout=None)
+            outputs, inputs, code = [outputs], [inputs], _op(opts, args, kw, "op")
+        else:
+            code = _op(opts, (), {}, "op")
+        if self._eng is None:
+            return self._world.reduce_scatter(outputs, inputs, _opts(dist.ReduceScatterOptions, reduceOp=code))
+        out = _one_list(outputs, "reduce_scatter")[0]
+        parts = self._gather_list(inputs[0], out, "reduce_scatter")
+        return self._reduce_scatters([(out, parts)], "reduce_scatter", code, outputs)
+
+    def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:  # noqa: A002
+        code = _op(opts, args, kw, "op")
+        if self._eng is None:
+            return self._world._reduce_scatter_base(output, input, _opts(dist.ReduceScatterOptions, reduceOp=code))
+        return self._reduce_scatters([self._split(output, input)], "reduce_scatter_single", code, output)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any,
+                                        **kw: Any) -> Any:
+        code = _op(opts, args, kw, "op")
+        if self._eng is None:
+            o = _opts(dist.ReduceScatterOptions, reduceOp=code)
+            return _Waits([self._world._reduce_scatter_base(a, b, o) for a, b in zip(outputs, inputs)], outputs)
+        pairs = [self._split(o, i) for o, i in zip(outputs, inputs)]
+        return self._reduce_scatters(pairs, "reduce_scatter_single_coalesced", code, outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _split(self, output: torch.Tensor, inp: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        if inp.numel() != self.size() * output.numel() or inp.dtype != output.dtype:
+            raise BackendError(f"reduce_scatter: rank {self.rank()} passed an input of {inp.numel()} "
+                               f"{str(inp.dtype).replace('torch.', '')} elements for an output of {output.numel()}",
+                               fix=f"pass an input of {self.size()} x the output's elements and its dtype")
+        return output, [inp]  # split inside the call, after staging
+
+    def _reduce_scatters(self, pairs: List[Tuple[torch.Tensor, List[torch.Tensor]]], kind: str, code: Any,
+                         result: Any) -> Any:
+        outs = [o for o, _ in pairs]
+        check_tensors([*outs, *(t for _, p in pairs for t in p)], kind)
+        fns = [reducer(code, o.dtype) for o in outs]
+
+        def body() -> None:
+            for (out, parts), fn in zip(pairs, fns):
+                self._reduce_scatter(out, parts, code, fn)
+
+        return self._run(kind, outs, body, result, op=code)
+
+    def _reduce_scatter(self, out: torch.Tensor, parts: List[torch.Tensor], code: Any, fn: Callable[..., Any]) -> None:
+        with contextlib.ExitStack() as stack:
+            flats = [stack.enter_context(staged(p, out=False)) for p in parts]
+            if len(flats) == 1 and self.size() > 1:  # the single-tensor form: split after staging
+                flats = list(flats[0].view(self.size(), -1)) if out.numel() else [flats[0]] * self.size()
+            overlaps = any(_overlap(out, f) for f in flats)
+            target = torch.empty(out.numel(), dtype=out.dtype) if overlaps or not out.is_contiguous() else None
+            dst = target if target is not None else out.reshape(-1)
+            if self._hier is not None:
+                self._hier.reduce_scatter(flats, dst, SUM if code == AVG else code, fn)
+            else:
+                self._eng.reduce_scatter(flats, dst, fn)  # type: ignore[union-attr]
+            if code == AVG and self.size() > 1:
+                dst.div_(self.size())
+            if target is not None:
+                out.copy_(target.view(out.shape))
+
+    def scatter(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        if isinstance(outputs, torch.Tensor):  # scatter(output, input_list, root, timeout=None)
+            root = opts if opts is not None else kw.get("root", 0)
+            outputs, inputs = [outputs], ([inputs] if inputs else [])
+        else:
+            root = getattr(opts, "rootRank", 0)
+        if self._eng is None:
+            return self._world.scatter(outputs, inputs, _opts(dist.ScatterOptions, rootRank=root))
+        self._check_root(root)
+        out = _one_list(outputs, "scatter")[0]
+        parts = self._gather_list(inputs[0], out, "scatter") if self.rank() == root else None
+
+        def body() -> None:
+            with contextlib.ExitStack() as stack:
+                fout = flat_bytes(stack.enter_context(staged(out, out=True)))
+                fins = [flat_bytes(stack.enter_context(staged(p, out=False))) for p in parts] if parts else None
+                if self._hier is not None:
+                    self._hier.scatter(fins, fout, root, self.size())
+                else:
+                    self._eng.scatter(fins, fout, self._local(root))  # type: ignore[union-attr]
+
+        return self._run("scatter", [out], body, outputs, root=root, check=[out, *(parts or [])])
+
+    # ------------------------------------------------------------------ all_to_all, barrier
+
+    def alltoall(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
+        if self._eng is None or self._hier is not None:
+            return self._world.alltoall(outputs, inputs)
+        outs, ins = list(outputs), list(inputs)
+        if len(outs) != self.size() or len(ins) != self.size():
+            raise BackendError(f"all_to_all: rank {self.rank()} passed {len(ins)} inputs and {len(outs)} outputs",
+                               fix=f"pass {self.size()} of each")
+        return self._run("all_to_all", [], lambda: self._all_to_all(outs, ins), outputs, check=[*outs, *ins])
+
+    def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Any = None,  # noqa: A002
+                          input_split_sizes: Any = None, *args: Any, **kw: Any) -> Any:
+        if self._eng is None or self._hier is not None:
+            return self._world.alltoall_base(output, input, list(output_split_sizes or []),
+                                             list(input_split_sizes or []))
+        outs = _split_rows(output, output_split_sizes, self.size(), "output")
+        ins = _split_rows(input, input_split_sizes, self.size(), "input")
+        stage = staged(output, out=True)
+
+        def body() -> None:
+            with stage:
+                views = _split_rows(stage.flat.view(output.shape), output_split_sizes, self.size(), "output")
+                self._all_to_all(views, ins)
+
+        del outs
+        return self._run("all_to_all_single", [], body, output, check=[output, input])
+
+    alltoall_base = all_to_all_single
+
+    def _all_to_all(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
+        with contextlib.ExitStack() as stack:
+            fouts = [flat_bytes(stack.enter_context(staged(o, out=True))) for o in outs]
+            fins = [flat_bytes(stack.enter_context(staged(i, out=False))) for i in ins]
+            self._eng.all_to_all(fins, fouts)  # type: ignore[union-attr]
+
+    def barrier(self, *args: Any, **kw: Any) -> Any:
+        if self._eng is None:
+            return self._world.barrier()
+        body = self._hier.barrier if self._hier is not None else self._eng.barrier
+        return self._run("barrier", [], body, None)
+
+    # ------------------------------------------------------------------ point-to-point
+
+    def send(self, tensors: Any, dst: int, tag: int = 0) -> Any:
+        return self._p2p(tensors, dst, tag, "send")
+
+    def recv(self, tensors: Any, src: int, tag: int = 0) -> Any:
+        return self._p2p(tensors, src, tag, "recv")
+
+    def _p2p(self, tensors: Any, peer: int, tag: int, kind: str) -> Any:
+        self._usable()
+        tensors = _one_list(tensors, kind)
+        check_tensors(tensors, kind)
+        if self._links is None or not self._links.has(peer):
+            return getattr(self._world, kind)(tensors, peer, tag)
+        t = tensors[0]
+        if kind == "send":
+            flat = t if t.is_contiguous() else t.contiguous()
+            return _TimedWork(self._links.send(flat, peer, tag), self._timeout)
+        flat = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
+        fut = self._links.recv(flat, peer, tag)
+        if flat is not t:
+            fut = fut.then(lambda f: (t.copy_(flat), f.value())[1])
+        return _TimedWork(fut, self._timeout)
+
+    def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
+        if self._world is not None and self._links is None:
+            return self._world.recv_anysource(tensors, tag)
+        raise BackendError("recv without a source is not supported by the shm backend",
+                           fix="pass src= to recv/irecv (the rank that sends)")
+
+    # ------------------------------------------------------------------ leaving
+
+    def leave(self) -> None:
+        """Leave the group: peers waiting for this rank stop at once; later calls raise."""
+        if self._closed is not None:
+            return
+        self._closed = "shut down (cpuddp.shutdown() or destroy_process_group())"
+        if os.getpid() != self._pid:
+            return  # a forked child: the parent's group is not this process's to leave
+        self._stream.close()
+        if self._eng is not None:
+            self._eng.seg.lines[self._eng.me][C_STATE] = STATE_LEFT
+            self._eng.mark_checked()
+        if self._links is not None:
+            self._links.close()
+
+    def abort_peers(self, why: str) -> None:
+        """Set the segment's abort word: local peers waiting for this rank raise at once."""
+        if self._eng is not None and os.getpid() == self._pid and self._closed is None:
+            self._eng.fail(why)
+
+    def shutdown(self) -> None:  # torch's destroy_process_group calls it
+        self.leave()
+        if os.getpid() != self._pid:
+            return
+        for inner in (self._world, getattr(self._hier, "cross", None)):
+            if inner is not None:
+                with contextlib.suppress(Exception):
+                    inner.shutdown()
+        if self._world is not None or self._hier is not None:
+            time.sleep(_SETTLE)  # gloo's workers release their last Works while Python still runs
+        if self._eng is not None:
+            self._eng.seg.close()
+
+    def abort(self) -> None:
+        self.abort_peers("the process group was aborted")
+        self.shutdown()
+
+    def _check_root(self, root: Any) -> None:
+        if not isinstance(root, int) or not 0 <= root < self.size():
+            raise BackendError(f"root rank {root!r} is not a rank of this group of {self.size()}",
+                               fix=f"pass a root from 0 to {self.size() - 1}")
 
 
-def _flat(obj: Any) -> List[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _flat(o)]
-    return []
+# --------------------------------------------------------------------------- argument forms
 
 
-class _Work(dist.Work):
-    """A collective queued on the communication thread: ``wait()`` raises its error (the Work torch
-    makes from a future does not), ``get_future()`` is what DDP's reducer chains on."""
+def _one_list(tensors: Any, what: str) -> List[torch.Tensor]:
+    """torch passes ``[tensor]``; the legacy multi-device form (several) is an error here."""
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    tensors = list(tensors)
+    if len(tensors) != 1:
+        raise BackendError(f"{what} got {len(tensors)} tensors for one rank: the shm backend takes one tensor per "
+                           "rank (a CPU rank has one device)",
+                           fix="pass one tensor (for several, use the coalesced form or one call each)")
+    return tensors
 
-    def __init__(self, fut: "torch.futures.Future[Any]") -> None:
+
+def _op(opts: Any, args: Sequence[Any], kw: Any, name: str) -> Any:
+    """The reduce op (a ``RedOpType``) of an options object, a positional op, or ``op=``."""
+    op = getattr(opts, "reduceOp", None)
+    if op is None:
+        op = opts if opts is not None and not hasattr(opts, "timeout") else (args[0] if args else kw.get(name))
+    if op is None:
+        return dist.ReduceOp.SUM.op if hasattr(dist.ReduceOp.SUM, "op") else dist.ReduceOp.RedOpType.SUM
+    return op.op if hasattr(op, "op") else dist.ReduceOp(op).op
+
+
+def _opts(cls: Any, **values: Any) -> Any:
+    o = cls()
+    for k, v in values.items():
+        setattr(o, k, dist.ReduceOp(v) if k == "reduceOp" else v)
+    return o
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, a1 = a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()
+    b0, b1 = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
+    return a0 < b1 and b0 < a1
+
+
+def _split_rows(t: torch.Tensor, sizes: Any, n: int, what: str) -> List[torch.Tensor]:
+    """``t`` split along dim 0 into ``sizes`` rows (equal parts when empty), as 1-D tensors."""
+    rows = t.shape[0] if t.dim() else 1
+    sizes = list(sizes or [])
+    if not sizes:
+        if rows % n:
+            raise BackendError(f"all_to_all_single: the {what} has {rows} rows, not a multiple of {n} ranks",
+                               fix=f"pass {what}_split_sizes")
+        sizes = [rows // n] * n
+    if len(sizes) != n or sum(sizes) != rows or min(sizes) < 0:
+        raise BackendError(f"all_to_all_single: {what}_split_sizes {sizes} do not split {rows} rows among {n} ranks",
+                           fix=f"pass {n} non-negative sizes that add up to the {what}'s first dimension")
+    return [p.reshape(-1) if p.is_contiguous() else p for p in torch.split(t, sizes)] if t.dim() else [t.reshape(-1)]
+
+
+class _Waits(dist.Work):
+    """Several inner Works as one (whole-gloo groups' coalesced forms)."""
+
+    def __init__(self, works: Sequence[Any], result: Any) -> None:
         super().__init__()
-        self._fut = fut
+        self._works, self._result = list(works), result
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        if timeout is not None and timeout.total_seconds() > 0 and not self._fut.done():
-            done = threading.Event()
-            self._fut.add_done_callback(lambda _f: done.set())
-            if not done.wait(timeout.total_seconds()):
-                raise dist.DistBackendError(f"shm: the collective did not finish within {timeout}")
-        self._fut.wait()  # raises the collective's error
+        for w in self._works:
+            w.wait()
+        return True
+
+    def get_future(self) -> "torch.futures.Future[Any]":
+        fut: torch.futures.Future = torch.futures.Future()
+        self.wait()
+        fut.set_result(self._result)
+        return fut
+
+
+class _TimedWork(dist.Work):
+    """A point-to-point Work: ``wait()`` raises its error, and gives up after the group timeout."""
+
+    def __init__(self, fut: "torch.futures.Future[Any]", timeout: datetime.timedelta) -> None:
+        super().__init__()
+        self._fut, self._timeout = fut, timeout
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        limit = timeout if timeout is not None and timeout.total_seconds() > 0 else self._timeout
+        deadline = time.monotonic() + limit.total_seconds()
+        while not self._fut.done():
+            if time.monotonic() > deadline:
+                raise dist.DistBackendError(f"shm: send/recv did not finish within {limit} (the group timeout)")
+            time.sleep(1e-4)
+        self._fut.wait()
         return True
 
     def get_future(self) -> "torch.futures.Future[Any]":
@@ -152,361 +683,25 @@ class _Work(dist.Work):
     def is_completed(self) -> bool:
         return self._fut.done()
 
-    def is_success(self) -> bool:
-        if not self._fut.done():
-            return False
-        try:
-            self._fut.value()
-        except Exception:  # noqa: BLE001
-            return False
-        return True
 
-    def result(self) -> Any:
-        return self._fut.value()
+# --------------------------------------------------------------------------- registration
 
 
-class _Stream:
-    """One communication thread per group: agreement, then the work, in issue order.
-
-    When nothing is queued, a call that gains nothing from the thread (a small allreduce, the
-    agreement of a call handed to gloo) runs in the caller's thread instead: no thread hop."""
-
-    def __init__(self, path: DataPath, rank: int) -> None:
-        self._path = path
-        self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._seq = 0
-        self._pending = 0
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, name=f"cpuddp-shm-comm-{rank}", daemon=True)
-        self._thread.start()
-
-    def shm(self, call: Call, fn: Callable[[], None], result: Any, inline: bool) -> "_Work":
-        """A shared-memory allreduce: in this thread when ``inline`` and idle, else queued."""
-        with self._lock:
-            seq = self._next()
-            if inline and self._pending == 0:
-                self._inline(seq, call, fn, lazy=True)
-                fut: torch.futures.Future = torch.futures.Future()
-                fut.set_result(result)
-                return _Work(fut)
-            return self._queue(seq, call, fn, result, lazy=True)
-
-    def gloo(self, call: Call, submit: Callable[[], Any], result: Any) -> Any:
-        """A collective handed to gloo now (issue order = gloo's order), agreed before it counts."""
-        with self._lock:
-            work = submit()
-            seq = self._next()
-            if self._pending == 0 and not isinstance(work, list):
-                self._inline(seq, call, lambda: None)
-                return work
-            return self._queue(seq, call, lambda: _wait_all(work), result)
-
-    def _next(self) -> int:
-        if self._closed:
-            raise dist.DistBackendError("the shm process group was shut down")
-        self._seq += 1
-        return self._seq
-
-    def _inline(self, seq: int, call: Call, fn: Callable[[], None], lazy: bool = False) -> None:
-        try:
-            self._path.agree(seq, call, lazy=lazy)
-            fn()
-            self._path.settle()
-        except BaseException as exc:
-            self._path.fail(str(exc))
-            raise
-
-    def _queue(self, seq: int, call: Call, fn: Callable[[], None], result: Any, lazy: bool = False) -> "_Work":
-        fut: torch.futures.Future = torch.futures.Future()
-        self._pending += 1
-        self._q.put((seq, call, fn, result, fut, lazy))
-        return _Work(fut)
-
-    def _loop(self) -> None:
-        path = self._path
-        path.thread_setup()
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            seq, call, fn, result, fut, lazy = item
-            error: Optional[BaseException] = None
-            try:
-                path.agree(seq, call, lazy=lazy)
-                fn()
-                path.settle()
-            except BaseException as exc:  # every error reaches the caller's wait()
-                path.fail(str(exc))
-                error = exc
-            with self._lock:
-                self._pending -= 1
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error if isinstance(error, Exception) else dist.DistBackendError(str(error)))
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._q.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join(_JOIN_TIMEOUT)
-
-
-class ShmProcessGroup(dist.ProcessGroup):
-    """The ``shm`` process group: shared-memory allreduce within a node, gloo for the rest."""
-
-    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
-        super().__init__(rank, size)
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
-        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        self._path: Optional[DataPath] = None
-        self._stream: Optional[_Stream] = None
-        self.reason = self._setup(store, rank, size, timeout)
-        self._inline_bytes = _inline_bytes()
-        if self._path is not None:
-            self._stream = _Stream(self._path, rank)
-        if rank == 0:
-            log.info("cpuddp.shm: group of %d: %s", size, self.reason)
-
-    @property
-    def shm_calls(self) -> int:
-        """Tensors all-reduced through shared memory so far (tests and benchmarks read it)."""
-        return self._path.calls if self._path is not None else 0
-
-    # ------------------------------------------------------------------ set-up
-
-    def _setup(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> str:
-        """Find the node's ranks through ``store``, map the node's segment; the mode's reason."""
-        store.set(f"shm/who/{rank}", whoami())
-        plan = plan_node([parse_who(store.get(f"shm/who/{r}"), f"shm/who/{r}") for r in range(size)], rank)
-        if plan.gloo_only is not None:
-            return plan.gloo_only
-        seg = map_segment(store, rank, plan, timeout.total_seconds())
-        cross = None
-        if plan.nodes > 1:
-            cross = _cross_group(dist.PrefixStore(f"shm/cross/{plan.local_rank}/", store), plan.node, plan.nodes,
-                                 timeout)
-        self._path = DataPath(seg, plan, rank, size, timeout.total_seconds(), cross)
-        if cross is not None:
-            return (f"shared memory within each of {plan.nodes} nodes ({plan.local_size} ranks each), "
-                    f"{_inter()} between them")
-        return f"shared memory among {plan.local_size} ranks"
-
-    # ------------------------------------------------------------------ torch's interface
-
-    def getBackendName(self) -> str:  # noqa: N802  (torch's name)
-        return NAME
-
-    def allreduce(self, tensors: Any, opts: Any = None, *, op: Any = None) -> Any:
-        """Shared-memory allreduce when every tensor qualifies; gloo's otherwise (both agreed first)."""
-        if isinstance(tensors, torch.Tensor):
-            tensors = [tensors]
-        if opts is None or not isinstance(opts, dist.AllreduceOptions):
-            if opts is not None:  # allreduce(tensors, ReduceOp) as pybind's overload allows
-                op = opts
-            opts = dist.AllreduceOptions()
-            if op is not None:
-                opts.reduceOp = op if isinstance(op, dist.ReduceOp) else dist.ReduceOp(op)
-        code = opts.reduceOp.op
-        path = self._path
-        if path is not None and path.qualifies(tensors, code):
-            call = encode("all_reduce", tensors, op=int(code), shm=True)
-            inline = call.numel * tensors[0].element_size() <= self._inline_bytes
-            return self._stream.shm(call, lambda: path.run(tensors, code), tensors, inline)  # type: ignore[union-attr]
-        return self._delegate("all_reduce", tensors, lambda: self._gloo.allreduce(tensors, opts), tensors,
-                              op=int(code))
-
-    def _delegate(self, kind: str, described: Sequence[Any], submit: Callable[[], Any], result: Any = None,
-                  *, op: Optional[int] = None, root: Optional[int] = None) -> Any:
-        """Hand a collective to the inner gloo group: from Python (its binding releases the GIL),
-        in issue order, agreed with the node's peers before its Work completes."""
-        if self._stream is None:
-            return submit()
-        return self._stream.gloo(encode(kind, list(described), op=op, root=root), submit, result)
-
-    # Every collective torch's C++ would otherwise run through its GIL-holding fallback:
-    def broadcast(self, tensors: Any, *args: Any, **kw: Any) -> Any:
-        ts = _flat(tensors)
-        return self._delegate("broadcast", ts, lambda: self._gloo.broadcast(tensors, *args, **kw), ts,
-                              root=_root(args[0] if args else kw.get("opts"), (tensors, *args)))
-
-    def allgather(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
-        return self._delegate("all_gather", _flat(inputs), lambda: self._gloo.allgather(outputs, inputs, *args, **kw),
-                              outputs)
-
-    def allgather_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
-        return self._delegate("all_gather_coalesced", _flat(inputs),
-                              lambda: self._gloo.allgather_coalesced(outputs, inputs, *args, **kw), outputs)
-
-    def _allgather_base(self, output: Any, input: Any, *args: Any, **kw: Any) -> Any:  # noqa: A002
-        return self._delegate("all_gather_into_tensor", [input],
-                              lambda: self._gloo._allgather_base(output, input, *args, **kw), output)
-
-    all_gather_single = _allgather_base
-
-    def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
-        return self._delegate("all_gather_into_tensor_coalesced", _flat(inputs), lambda: [
-            self._gloo._allgather_base(o, i, *args, **kw) for o, i in zip(outputs, inputs)], outputs)
-
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
-
-    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        rest = (opts, *args) if opts is not None else args
-        return self._delegate("reduce_scatter", _flat(outputs),
-                              lambda: self._gloo.reduce_scatter(outputs, inputs, *rest, **kw), outputs,
-                              op=_op_of(opts))
-
-    def _reduce_scatter_base(self, output: Any, input: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:  # noqa: A002
-        rest = (opts, *args) if opts is not None else args
-        return self._delegate("reduce_scatter_tensor", [output],
-                              lambda: self._gloo._reduce_scatter_base(output, input, *rest, **kw), output,
-                              op=_op_of(opts))
-
-    reduce_scatter_single = _reduce_scatter_base
-
-    def reduce_scatter_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        rest = (opts, *args) if opts is not None else args
-        return self._delegate("reduce_scatter_tensor_coalesced", _flat(outputs), lambda: [
-            self._gloo._reduce_scatter_base(o, i, *rest, **kw) for o, i in zip(outputs, inputs)], outputs,
-            op=_op_of(opts))
-
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
-
-    def allreduce_coalesced(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        rest = (opts, *args) if opts is not None else args
-        return self._delegate("all_reduce_coalesced", _flat(tensors),
-                              lambda: self._gloo.allreduce_coalesced(tensors, *rest, **kw), tensors, op=_op_of(opts))
-
-    def barrier(self, *args: Any, **kw: Any) -> Any:
-        return self._delegate("barrier", [], lambda: self._gloo.barrier(*args, **kw))
-
-    def gather(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        rest = (opts, *args) if opts is not None else args
-        return self._delegate("gather", _flat(inputs), lambda: self._gloo.gather(outputs, inputs, *rest, **kw),
-                              outputs, root=_root(opts, ()))
-
-    def scatter(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        rest = (opts, *args) if opts is not None else args
-        return self._delegate("scatter", _flat(outputs), lambda: self._gloo.scatter(outputs, inputs, *rest, **kw),
-                              outputs, root=_root(opts, ()))
-
-    def reduce(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        rest = (opts, *args) if opts is not None else args
-        return self._delegate("reduce", _flat(tensors), lambda: self._gloo.reduce(tensors, *rest, **kw), tensors,
-                              op=_op_of(opts), root=_root(opts, ()))
-
-    def alltoall(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
-        return self._delegate("all_to_all", [], lambda: self._gloo.alltoall(outputs, inputs, *args, **kw), outputs)
-
-    def alltoall_base(self, output: Any, input: Any, *args: Any, **kw: Any) -> Any:  # noqa: A002
-        return self._delegate("all_to_all_single", [],
-                              lambda: self._gloo.alltoall_base(output, input, *args, **kw), output)
-
-    all_to_all_single = alltoall_base
-
-    # point-to-point: two ranks, not the node's agreement; straight to gloo (GIL released)
-    def send(self, *args: Any, **kw: Any) -> Any:
-        return self._gloo.send(*args, **kw)
-
-    def recv(self, *args: Any, **kw: Any) -> Any:
-        return self._gloo.recv(*args, **kw)
-
-    def recv_anysource(self, *args: Any, **kw: Any) -> Any:
-        return self._gloo.recv_anysource(*args, **kw)
-
-    # ------------------------------------------------------------------ teardown
-
-    def leave(self) -> None:
-        """Mark this rank as gone from the group (peers waiting for it stop at once), join the thread."""
-        stream, self._stream = self._stream, None
-        if self._path is not None:
-            self._path.seg.lines[self._path.local_rank][C_STATE] = STATE_LEFT
-        if stream is not None:
-            stream.close()
-
-    def shutdown(self) -> None:  # torch's destroy_process_group calls it
-        self.leave()
-        try:
-            super().shutdown()
-        except Exception as exc:  # noqa: BLE001 - teardown of gloo must not raise over a finished job
-            log.debug("cpuddp.shm: gloo shutdown raised: %s", exc)
-        time.sleep(_SETTLE)  # gloo's workers release their last Works while Python still runs
-
-    def abort(self) -> None:
-        self.leave()
-        try:
-            super().abort()
-        except Exception as exc:  # noqa: BLE001
-            log.debug("cpuddp.shm: gloo abort raised: %s", exc)
-
-    def _fail(self, why: str) -> None:
-        if self._path is not None:
-            self._path.fail(why)
-
-
-def _op_of(opts: Any) -> Optional[int]:
-    op = getattr(opts, "reduceOp", None)
-    return int(op.op) if op is not None else None
-
-
-def _wait_all(work: Any) -> None:
-    for w in work if isinstance(work, list) else [work]:
-        w.wait()
-
-
-def _inter() -> str:
-    value = (os.environ.get(INTER_VAR) or "gloo").strip().lower()
-    if value not in ("gloo", "ccl"):
-        raise BackendError(f"{INTER_VAR}={os.environ.get(INTER_VAR)!r} is not a node-to-node backend of the shm group",
-                           fix=f"set {INTER_VAR}=gloo or {INTER_VAR}=ccl, or unset it")
-    return value
-
-
-def _cross_group(store: Any, node: int, nodes: int, timeout: datetime.timedelta) -> Any:
-    """The group of the ranks with this local rank on every node: gloo, or oneCCL when asked."""
-    if _inter() == "ccl":
-        import oneccl_bindings_for_pytorch  # noqa: F401  (registers "ccl")
-
-        plugin = dist.Backend._plugins.get("CCL")
-        if plugin is None:
-            raise BackendError(f"{INTER_VAR}=ccl, but the oneCCL bindings registered no 'ccl' backend",
-                               fix=f"unset {INTER_VAR} (gloo between nodes), or install working oneCCL bindings")
-        return plugin.creator_fn(store, node, nodes, timeout)
-    return dist.ProcessGroupGloo(store, node, nodes, timeout)
-
-
-#: The live groups of this process, for :func:`abort_groups` and :func:`leave_groups`.
-_groups: "weakref.WeakSet[ShmProcessGroup]" = weakref.WeakSet()
-
-
-def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> ShmProcessGroup:
-    group = ShmProcessGroup(store, rank, size, timeout)
-    _groups.add(group)
-    return group
-
-
-def abort_groups(why: str) -> None:
-    """Set the abort word of every shm group of this process: local peers waiting for this rank
-    raise at once ("local rank N gave up").  The watchdog calls it when the rank raises, so the
-    peers stop while this rank still reports its error, not when its process is gone."""
-    for group in list(_groups):
-        group._fail(why)
-
-
-def leave_groups() -> None:
-    """Mark every shm group of this process as left (``cpuddp.shutdown`` calls it first)."""
-    for group in list(_groups):
-        group.leave()
+def _create(dist_opts: Any, pg_options: Any = None) -> ShmProcessGroup:
+    """torch's creator (``extended_api=True``): the store, ranks and timeout, and our options."""
+    options = pg_options if isinstance(pg_options, api.ShmOptions) else None
+    if pg_options is not None and options is None:
+        raise BackendError(f"pg_options for the shm backend must be cpuddp's ShmOptions, not "
+                           f"{type(pg_options).__name__}",
+                           fix="pass cpuddp.backends.shm.api.ShmOptions(...) or nothing")
+    return ShmProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout, options)
 
 
 def register() -> None:
     """Register ``shm`` with ``torch.distributed`` (idempotent; done on import)."""
     if NAME.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(NAME, _create, devices=["cpu"])
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
 
 
 register()
