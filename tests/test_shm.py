@@ -120,12 +120,13 @@ def _interface():
     errors = []
     for bad in (lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG),
                 lambda: dist.all_reduce(torch.ones(2).to_sparse()),
-                lambda: pg.allreduce([torch.ones(2), torch.ones(2)]).wait()):
-        try:
+                lambda: pg.allreduce([torch.ones(2), torch.ones(2)]).wait(),
+                lambda: dist.all_gather([torch.ones(3)], torch.ones(3))):
+        try:  # refused before it is posted: it never happened, for this rank and its peers
             bad()
         except BackendError as exc:
-            errors.append(str(exc).splitlines()[0])
-    assert pg.shm_calls == calls + 6  # refused before anything was agreed or moved
+            errors.append(str(exc))
+    assert pg.shm_calls == calls + 6
     z = torch.ones(3)  # the group still works
     dist.all_reduce(z)
     sub = dist.new_group(list(range(n)))  # a subgroup is a shm group of its own
@@ -184,10 +185,11 @@ def test_two_ranks_every_dtype_and_op_exact_and_identical_across_ranks():
 def test_two_ranks_torch_interface_and_clear_errors_for_wrong_calls():
     for reason, errors in run_distributed(_interface, 2, backend="shm", timeout=120):
         assert reason == "shared memory among 2 ranks"
-        assert len(errors) == 3, errors
+        assert len(errors) == 4, errors
         assert "ReduceOp.AVG of torch.int32 tensors" in errors[0]
         assert "sparse_coo tensor" in errors[1]
         assert "got 2 tensors for one rank" in errors[2]
+        assert "all_gather: rank" in errors[3] and "pass 2 tensors of that size and dtype" in errors[3]
 
 
 @pytest.mark.slow

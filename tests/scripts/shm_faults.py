@@ -21,12 +21,13 @@ import time
 import torch
 import torch.distributed as dist
 
-import cpuddp.backends.shm.segment as segment
+import cpuddp.backends.shm.handover as handover
 import cpuddp.shm  # noqa: F401  -- registers "shm" with torch.distributed
+from cpuddp.backends.shm.node import pid_namespace
 
 mode, outdir = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
-report: dict = {"rank": rank, "pid_ns": segment.pid_namespace()}
+report: dict = {"rank": rank, "pid_ns": pid_namespace()}
 
 
 def done() -> None:
@@ -49,7 +50,7 @@ def attempt(key: str, fn) -> None:
 if mode == "dies_mapping" and rank == 1:
     def _die(*_a, **_k):
         os._exit(17)  # a crash at the moment the segment would be fetched
-    segment._fetch = _die
+    handover._fetch = _die
 
 timeout = datetime.timedelta(seconds=60)
 attempt("init", lambda: dist.init_process_group("shm", timeout=timeout))

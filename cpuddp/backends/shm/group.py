@@ -45,7 +45,7 @@ import datetime
 import logging
 import os
 import time
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -54,15 +54,17 @@ from cpuddp.errors import BackendError, GroupShutDownError
 
 from . import api
 from . import check as shm_check
+from . import forms
 from .agree import encode
+from .calls import Collectives
 from .cross import Hierarchy, cross_group
 from .handover import map_segment
 from .local import LocalEngine
 from .node import NodePlan, check_local_size, parse_who, plan_node, whoami
-from .ops import AVG, SUM, check_tensors, flat_bytes, reducer, staged
+from .ops import check_tensors
 from .p2p import PeerLinks
 from .segment import C_STATE, STATE_LEFT
-from .stream import Stream, async_setting
+from .stream import Stream, TimedWork, async_setting
 from .wait import Waiter
 
 __all__ = ["NAME", "ShmProcessGroup", "register", "eligibility"]
@@ -89,8 +91,9 @@ def _name_holder(rank: int, size: int) -> Any:
     return create(rank, size, opts) if create is not None else FakeProcessGroup(rank, size, opts)
 
 
-class ShmProcessGroup(dist.ProcessGroup):
-    """The ``shm`` process group (see the module docstring)."""
+class ShmProcessGroup(Collectives, dist.ProcessGroup):
+    """The ``shm`` process group (see the module docstring; the collectives are in
+    :mod:`cpuddp.backends.shm.calls`)."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta,
                  options: Optional[api.ShmOptions] = None) -> None:
@@ -168,19 +171,19 @@ class ShmProcessGroup(dist.ProcessGroup):
                                      fix="run collectives in the parent only (DataLoader workers need none)")
 
     def _run(self, kind: str, agreed: Sequence[torch.Tensor], body: Callable[[], None], result: Any, *,
-             op: Any = None, root: Optional[int] = None, check: Sequence[Any] = ()) -> Any:
-        """Agree on the call, then run ``body`` (in this thread or the group's)."""
+             op: Any = None, root: Optional[int] = None) -> Any:
+        """Post the (checked) call's descriptor, run ``body``, finish the agreement -- in this thread
+        or the group's, in issue order.  An error from here on breaks the group and stops the peers."""
         self._usable()
-        check_tensors(check or agreed, kind)
-        call = encode(kind, agreed, op=None if op is None else int(op), root=root)
         eng = self._eng
+        call = encode(kind, agreed, op=None if op is None else int(op), root=root)
 
         def run() -> None:
-            eng.begin(call)  # type: ignore[union-attr]
+            eng.begin(call)
             body()
+            eng.settle()  # a call with no round (nothing to move) is compared here
 
-        nbytes = sum(t.numel() * t.element_size() for t in agreed)
-        return self._stream.run(run, result, nbytes)
+        return self._stream.run(run, result, sum(t.numel() * t.element_size() for t in agreed))
 
     def _on_error(self, exc: BaseException) -> None:
         if self._eng is not None:
@@ -193,325 +196,6 @@ class ShmProcessGroup(dist.ProcessGroup):
                                fix=f"pass a rank from 0 to {self.size() - 1}")
         return self._plan.local.index(rank)  # type: ignore[union-attr]
 
-    # ------------------------------------------------------------------ all_reduce, reduce
-
-    def allreduce(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        tensors, code = _one_list(tensors, "all_reduce"), _op(opts, args, kw, "op")
-        if self._eng is None:
-            return self._world.allreduce(tensors, _opts(dist.AllreduceOptions, reduceOp=code))
-        t = tensors[0]
-        fn = reducer(code, t.dtype)
-
-        def body() -> None:
-            with staged(t, out=True) as flat:
-                self._all_reduce(flat, code, fn)
-
-        return self._run("all_reduce", [t], body, tensors, op=code)
-
-    def _all_reduce(self, flat: torch.Tensor, code: Any, fn: Callable[..., Any]) -> None:
-        if self._hier is not None:
-            self._hier.all_reduce(flat, SUM if code == AVG else code, fn)
-        else:
-            self._eng.all_reduce(flat, fn)  # type: ignore[union-attr]
-        if code == AVG and self.size() > 1:
-            flat.div_(self.size())
-
-    def allreduce_coalesced(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        tensors, code = list(tensors), _op(opts, args, kw, "op")
-        if self._eng is None:
-            return self._world.allreduce_coalesced(tensors, _opts(dist.AllreduceCoalescedOptions, reduceOp=code))
-        fns = [reducer(code, t.dtype) for t in tensors]
-
-        def body() -> None:
-            for t, fn in zip(tensors, fns):
-                with staged(t, out=True) as flat:
-                    self._all_reduce(flat, code, fn)
-
-        return self._run("all_reduce_coalesced", tensors, body, tensors, op=code)
-
-    def reduce(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        if isinstance(tensors, torch.Tensor):  # reduce(tensor, root, op=SUM, timeout=None)
-            root, code = (opts if opts is not None else kw.get("root")), _op(None, args, kw, "op")
-        else:
-            root, code = getattr(opts, "rootRank", 0), _op(opts, (), {}, "op")
-        tensors = _one_list(tensors, "reduce")
-        if self._eng is None:
-            return self._world.reduce(tensors, _opts(dist.ReduceOptions, reduceOp=code, rootRank=root))
-        t = tensors[0]
-        fn = reducer(code, t.dtype)
-        self._check_root(root)
-
-        def body() -> None:
-            with staged(t, out=self.rank() == root) as flat:
-                if self._hier is not None:
-                    self._hier.reduce(flat, root, SUM if code == AVG else code, fn)
-                else:
-                    self._eng.reduce(flat, self._local(root), fn)  # type: ignore[union-attr]
-                if code == AVG and self.rank() == root:
-                    flat.div_(self.size())
-
-        return self._run("reduce", [t], body, tensors, op=code, root=root)
-
-    # ------------------------------------------------------------------ broadcast
-
-    def broadcast(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        if isinstance(tensors, torch.Tensor):  # broadcast(tensor, root, timeout=None)
-            root = opts if opts is not None else kw.get("root", 0)
-        else:
-            root = getattr(opts, "rootRank", 0)
-        tensors = _one_list(tensors, "broadcast")
-        if self._eng is None:
-            return self._world.broadcast(tensors, _opts(dist.BroadcastOptions, rootRank=root))
-        t = tensors[0]
-        self._check_root(root)
-
-        def body() -> None:
-            with staged(t, out=self.rank() != root) as flat:
-                if self._hier is not None:
-                    self._hier.broadcast(flat_bytes(flat), root)
-                else:
-                    self._eng.broadcast(flat_bytes(flat), self._local(root))  # type: ignore[union-attr]
-
-        return self._run("broadcast", [t], body, tensors, root=root)
-
-    # ------------------------------------------------------------------ all_gather, gather
-
-    def allgather(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
-        if isinstance(inputs, torch.Tensor):  # allgather(output_list, input, timeout=None)
-            outputs, inputs = [outputs], [inputs]
-        if self._eng is None:
-            return self._world.allgather(outputs, inputs)
-        inputs = _one_list(inputs, "all_gather")
-        outs = self._gather_list(outputs[0], inputs[0], "all_gather")
-        return self._run("all_gather", inputs, lambda: self._all_gather(inputs[0], outs), outputs,
-                         check=[*inputs, *outs])
-
-    def _all_gather(self, inp: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
-        with contextlib.ExitStack() as stack:
-            fin = stack.enter_context(staged(inp, out=False))
-            flats = [stack.enter_context(staged(o, out=True)) for o in outs]
-            if self._hier is not None:
-                self._hier.all_gather(flat_bytes(fin), [flat_bytes(f) for f in flats])
-            else:
-                self._eng.all_gather(flat_bytes(fin), [flat_bytes(f) for f in flats])  # type: ignore[union-attr]
-
-    def _gather_list(self, outs: Sequence[torch.Tensor], inp: torch.Tensor, what: str) -> List[torch.Tensor]:
-        outs = list(outs)
-        if len(outs) != self.size() or any(o.numel() != inp.numel() or o.dtype != inp.dtype for o in outs):
-            shown = [(tuple(o.shape), str(o.dtype).replace("torch.", "")) for o in outs]
-            raise BackendError(f"{what}: rank {self.rank()} passed output tensors {shown} for an input of "
-                               f"{tuple(inp.shape)} {str(inp.dtype).replace('torch.', '')}",
-                               fix=f"pass {self.size()} output tensors of the input's size and dtype")
-        return outs
-
-    def _single_outs(self, output: torch.Tensor, inp: torch.Tensor, what: str) -> Tuple[List[torch.Tensor], Any]:
-        """Views of ``output`` (``size`` times ``inp``) as one tensor per rank, and the staging."""
-        if output.numel() != self.size() * inp.numel() or output.dtype != inp.dtype:
-            raise BackendError(f"{what}: rank {self.rank()} passed an output of {output.numel()} "
-                               f"{str(output.dtype).replace('torch.', '')} elements for an input of {inp.numel()} "
-                               f"{str(inp.dtype).replace('torch.', '')}",
-                               fix=f"pass an output of {self.size()} x the input's elements and its dtype")
-        stage = staged(output, out=True)
-        return list(stage.flat.view(self.size(), -1)) if inp.numel() else [stage.flat] * self.size(), stage
-
-    def all_gather_single(self, output: Any, input: Any, *args: Any, **kw: Any) -> Any:  # noqa: A002
-        if self._eng is None:
-            return self._world._allgather_base(output, input)
-        return self._all_gather_singles([output], [input], "all_gather_single", output)
-
-    _allgather_base = all_gather_single
-
-    def all_gather_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
-        if self._eng is None:
-            works = [self._world._allgather_base(o, i) for o, i in zip(outputs, inputs)]
-            return _Waits(works, outputs)
-        return self._all_gather_singles(list(outputs), list(inputs), "all_gather_single_coalesced", outputs)
-
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-
-    def _all_gather_singles(self, outputs: List[Any], inputs: List[Any], kind: str, result: Any) -> Any:
-        check_tensors([*outputs, *inputs], kind)
-        staged_outs = [self._single_outs(o, i, kind) for o, i in zip(outputs, inputs)]
-
-        def body() -> None:
-            for i, (outs, stage) in zip(inputs, staged_outs):
-                with stage:
-                    self._all_gather(i, outs)
-
-        return self._run(kind, inputs, body, result)
-
-    def allgather_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
-        if self._eng is None:
-            return self._world.allgather_coalesced(outputs, inputs)
-        inputs = list(inputs)
-        outs = [self._gather_list(o, i, "all_gather_coalesced") for o, i in zip(outputs, inputs)]
-
-        def body() -> None:
-            for i, o in zip(inputs, outs):
-                self._all_gather(i, o)
-
-        return self._run("all_gather_coalesced", inputs, body, outputs, check=[*inputs, *(t for o in outs for t in o)])
-
-    def gather(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        if isinstance(inputs, torch.Tensor):  # gather(output_list, input, root, timeout=None)
-            root = opts if opts is not None else kw.get("root", 0)
-            outputs, inputs = ([outputs] if outputs else []), [inputs]
-        else:
-            root = getattr(opts, "rootRank", 0)
-        if self._eng is None:
-            return self._world.gather(outputs, inputs, _opts(dist.GatherOptions, rootRank=root))
-        self._check_root(root)
-        inp = _one_list(inputs, "gather")[0]
-        outs = self._gather_list(outputs[0], inp, "gather") if self.rank() == root else None
-        if self.rank() != root and outputs and any(len(o) for o in outputs):
-            raise BackendError(f"gather: rank {self.rank()} is not the root ({root}) but passed output tensors",
-                               fix="pass gather_list only on the root (dst)")
-
-        def body() -> None:
-            with contextlib.ExitStack() as stack:
-                fin = stack.enter_context(staged(inp, out=False))
-                flats = [flat_bytes(stack.enter_context(staged(o, out=True))) for o in outs] if outs else None
-                if self._hier is not None:
-                    self._hier.gather(flat_bytes(fin), flats, root, self.size())
-                else:
-                    local = [None] * self.size() if flats is None else flats
-                    self._eng.all_gather(flat_bytes(fin), local, self._local(root))  # type: ignore[union-attr]
-
-        return self._run("gather", [inp], body, outputs, root=root, check=[inp, *(outs or [])])
-
-    # ------------------------------------------------------------------ reduce_scatter, scatter
-
-    def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        if isinstance(outputs, torch.Tensor):  # reduce_scatter(output, input_list, op=SUM, timeout=None)
-            outputs, inputs, code = [outputs], [inputs], _op(opts, args, kw, "op")
-        else:
-            code = _op(opts, (), {}, "op")
-        if self._eng is None:
-            return self._world.reduce_scatter(outputs, inputs, _opts(dist.ReduceScatterOptions, reduceOp=code))
-        out = _one_list(outputs, "reduce_scatter")[0]
-        parts = self._gather_list(inputs[0], out, "reduce_scatter")
-        return self._reduce_scatters([(out, parts)], "reduce_scatter", code, outputs)
-
-    def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:  # noqa: A002
-        code = _op(opts, args, kw, "op")
-        if self._eng is None:
-            return self._world._reduce_scatter_base(output, input, _opts(dist.ReduceScatterOptions, reduceOp=code))
-        return self._reduce_scatters([self._split(output, input)], "reduce_scatter_single", code, output)
-
-    _reduce_scatter_base = reduce_scatter_single
-
-    def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any,
-                                        **kw: Any) -> Any:
-        code = _op(opts, args, kw, "op")
-        if self._eng is None:
-            o = _opts(dist.ReduceScatterOptions, reduceOp=code)
-            return _Waits([self._world._reduce_scatter_base(a, b, o) for a, b in zip(outputs, inputs)], outputs)
-        pairs = [self._split(o, i) for o, i in zip(outputs, inputs)]
-        return self._reduce_scatters(pairs, "reduce_scatter_single_coalesced", code, outputs)
-
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-
-    def _split(self, output: torch.Tensor, inp: torch.Tensor) -> Tuple[torch.Tensor, List[torch.Tensor]]:
-        if inp.numel() != self.size() * output.numel() or inp.dtype != output.dtype:
-            raise BackendError(f"reduce_scatter: rank {self.rank()} passed an input of {inp.numel()} "
-                               f"{str(inp.dtype).replace('torch.', '')} elements for an output of {output.numel()}",
-                               fix=f"pass an input of {self.size()} x the output's elements and its dtype")
-        return output, [inp]  # split inside the call, after staging
-
-    def _reduce_scatters(self, pairs: List[Tuple[torch.Tensor, List[torch.Tensor]]], kind: str, code: Any,
-                         result: Any) -> Any:
-        outs = [o for o, _ in pairs]
-        check_tensors([*outs, *(t for _, p in pairs for t in p)], kind)
-        fns = [reducer(code, o.dtype) for o in outs]
-
-        def body() -> None:
-            for (out, parts), fn in zip(pairs, fns):
-                self._reduce_scatter(out, parts, code, fn)
-
-        return self._run(kind, outs, body, result, op=code)
-
-    def _reduce_scatter(self, out: torch.Tensor, parts: List[torch.Tensor], code: Any, fn: Callable[..., Any]) -> None:
-        with contextlib.ExitStack() as stack:
-            flats = [stack.enter_context(staged(p, out=False)) for p in parts]
-            if len(flats) == 1 and self.size() > 1:  # the single-tensor form: split after staging
-                flats = list(flats[0].view(self.size(), -1)) if out.numel() else [flats[0]] * self.size()
-            overlaps = any(_overlap(out, f) for f in flats)
-            target = torch.empty(out.numel(), dtype=out.dtype) if overlaps or not out.is_contiguous() else None
-            dst = target if target is not None else out.reshape(-1)
-            if self._hier is not None:
-                self._hier.reduce_scatter(flats, dst, SUM if code == AVG else code, fn)
-            else:
-                self._eng.reduce_scatter(flats, dst, fn)  # type: ignore[union-attr]
-            if code == AVG and self.size() > 1:
-                dst.div_(self.size())
-            if target is not None:
-                out.copy_(target.view(out.shape))
-
-    def scatter(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        if isinstance(outputs, torch.Tensor):  # scatter(output, input_list, root, timeout=None)
-            root = opts if opts is not None else kw.get("root", 0)
-            outputs, inputs = [outputs], ([inputs] if inputs else [])
-        else:
-            root = getattr(opts, "rootRank", 0)
-        if self._eng is None:
-            return self._world.scatter(outputs, inputs, _opts(dist.ScatterOptions, rootRank=root))
-        self._check_root(root)
-        out = _one_list(outputs, "scatter")[0]
-        parts = self._gather_list(inputs[0], out, "scatter") if self.rank() == root else None
-
-        def body() -> None:
-            with contextlib.ExitStack() as stack:
-                fout = flat_bytes(stack.enter_context(staged(out, out=True)))
-                fins = [flat_bytes(stack.enter_context(staged(p, out=False))) for p in parts] if parts else None
-                if self._hier is not None:
-                    self._hier.scatter(fins, fout, root, self.size())
-                else:
-                    self._eng.scatter(fins, fout, self._local(root))  # type: ignore[union-attr]
-
-        return self._run("scatter", [out], body, outputs, root=root, check=[out, *(parts or [])])
-
-    # ------------------------------------------------------------------ all_to_all, barrier
-
-    def alltoall(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
-        if self._eng is None or self._hier is not None:
-            return self._world.alltoall(outputs, inputs)
-        outs, ins = list(outputs), list(inputs)
-        if len(outs) != self.size() or len(ins) != self.size():
-            raise BackendError(f"all_to_all: rank {self.rank()} passed {len(ins)} inputs and {len(outs)} outputs",
-                               fix=f"pass {self.size()} of each")
-        return self._run("all_to_all", [], lambda: self._all_to_all(outs, ins), outputs, check=[*outs, *ins])
-
-    def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Any = None,  # noqa: A002
-                          input_split_sizes: Any = None, *args: Any, **kw: Any) -> Any:
-        if self._eng is None or self._hier is not None:
-            return self._world.alltoall_base(output, input, list(output_split_sizes or []),
-                                             list(input_split_sizes or []))
-        outs = _split_rows(output, output_split_sizes, self.size(), "output")
-        ins = _split_rows(input, input_split_sizes, self.size(), "input")
-        stage = staged(output, out=True)
-
-        def body() -> None:
-            with stage:
-                views = _split_rows(stage.flat.view(output.shape), output_split_sizes, self.size(), "output")
-                self._all_to_all(views, ins)
-
-        del outs
-        return self._run("all_to_all_single", [], body, output, check=[output, input])
-
-    alltoall_base = all_to_all_single
-
-    def _all_to_all(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
-        with contextlib.ExitStack() as stack:
-            fouts = [flat_bytes(stack.enter_context(staged(o, out=True))) for o in outs]
-            fins = [flat_bytes(stack.enter_context(staged(i, out=False))) for i in ins]
-            self._eng.all_to_all(fins, fouts)  # type: ignore[union-attr]
-
-    def barrier(self, *args: Any, **kw: Any) -> Any:
-        if self._eng is None:
-            return self._world.barrier()
-        body = self._hier.barrier if self._hier is not None else self._eng.barrier
-        return self._run("barrier", [], body, None)
-
     # ------------------------------------------------------------------ point-to-point
 
     def send(self, tensors: Any, dst: int, tag: int = 0) -> Any:
@@ -522,19 +206,19 @@ class ShmProcessGroup(dist.ProcessGroup):
 
     def _p2p(self, tensors: Any, peer: int, tag: int, kind: str) -> Any:
         self._usable()
-        tensors = _one_list(tensors, kind)
+        tensors = forms.one_tensor(tensors, kind)
         check_tensors(tensors, kind)
         if self._links is None or not self._links.has(peer):
             return getattr(self._world, kind)(tensors, peer, tag)
         t = tensors[0]
         if kind == "send":
             flat = t if t.is_contiguous() else t.contiguous()
-            return _TimedWork(self._links.send(flat, peer, tag), self._timeout)
+            return TimedWork(self._links.send(flat, peer, tag), self._timeout)
         flat = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
         fut = self._links.recv(flat, peer, tag)
         if flat is not t:
             fut = fut.then(lambda f: (t.copy_(flat), f.value())[1])
-        return _TimedWork(fut, self._timeout)
+        return TimedWork(fut, self._timeout)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:
         if self._world is not None and self._links is None:
@@ -584,104 +268,6 @@ class ShmProcessGroup(dist.ProcessGroup):
         if not isinstance(root, int) or not 0 <= root < self.size():
             raise BackendError(f"root rank {root!r} is not a rank of this group of {self.size()}",
                                fix=f"pass a root from 0 to {self.size() - 1}")
-
-
-# --------------------------------------------------------------------------- argument forms
-
-
-def _one_list(tensors: Any, what: str) -> List[torch.Tensor]:
-    """torch passes ``[tensor]``; the legacy multi-device form (several) is an error here."""
-    if isinstance(tensors, torch.Tensor):
-        return [tensors]
-    tensors = list(tensors)
-    if len(tensors) != 1:
-        raise BackendError(f"{what} got {len(tensors)} tensors for one rank: the shm backend takes one tensor per "
-                           "rank (a CPU rank has one device)",
-                           fix="pass one tensor (for several, use the coalesced form or one call each)")
-    return tensors
-
-
-def _op(opts: Any, args: Sequence[Any], kw: Any, name: str) -> Any:
-    """The reduce op (a ``RedOpType``) of an options object, a positional op, or ``op=``."""
-    op = getattr(opts, "reduceOp", None)
-    if op is None:
-        op = opts if opts is not None and not hasattr(opts, "timeout") else (args[0] if args else kw.get(name))
-    if op is None:
-        return dist.ReduceOp.SUM.op if hasattr(dist.ReduceOp.SUM, "op") else dist.ReduceOp.RedOpType.SUM
-    return op.op if hasattr(op, "op") else dist.ReduceOp(op).op
-
-
-def _opts(cls: Any, **values: Any) -> Any:
-    o = cls()
-    for k, v in values.items():
-        setattr(o, k, dist.ReduceOp(v) if k == "reduceOp" else v)
-    return o
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
-        return False
-    a0, a1 = a.data_ptr(), a.data_ptr() + a.numel() * a.element_size()
-    b0, b1 = b.data_ptr(), b.data_ptr() + b.numel() * b.element_size()
-    return a0 < b1 and b0 < a1
-
-
-def _split_rows(t: torch.Tensor, sizes: Any, n: int, what: str) -> List[torch.Tensor]:
-    """``t`` split along dim 0 into ``sizes`` rows (equal parts when empty), as 1-D tensors."""
-    rows = t.shape[0] if t.dim() else 1
-    sizes = list(sizes or [])
-    if not sizes:
-        if rows % n:
-            raise BackendError(f"all_to_all_single: the {what} has {rows} rows, not a multiple of {n} ranks",
-                               fix=f"pass {what}_split_sizes")
-        sizes = [rows // n] * n
-    if len(sizes) != n or sum(sizes) != rows or min(sizes) < 0:
-        raise BackendError(f"all_to_all_single: {what}_split_sizes {sizes} do not split {rows} rows among {n} ranks",
-                           fix=f"pass {n} non-negative sizes that add up to the {what}'s first dimension")
-    return [p.reshape(-1) if p.is_contiguous() else p for p in torch.split(t, sizes)] if t.dim() else [t.reshape(-1)]
-
-
-class _Waits(dist.Work):
-    """Several inner Works as one (whole-gloo groups' coalesced forms)."""
-
-    def __init__(self, works: Sequence[Any], result: Any) -> None:
-        super().__init__()
-        self._works, self._result = list(works), result
-
-    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        for w in self._works:
-            w.wait()
-        return True
-
-    def get_future(self) -> "torch.futures.Future[Any]":
-        fut: torch.futures.Future = torch.futures.Future()
-        self.wait()
-        fut.set_result(self._result)
-        return fut
-
-
-class _TimedWork(dist.Work):
-    """A point-to-point Work: ``wait()`` raises its error, and gives up after the group timeout."""
-
-    def __init__(self, fut: "torch.futures.Future[Any]", timeout: datetime.timedelta) -> None:
-        super().__init__()
-        self._fut, self._timeout = fut, timeout
-
-    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
-        limit = timeout if timeout is not None and timeout.total_seconds() > 0 else self._timeout
-        deadline = time.monotonic() + limit.total_seconds()
-        while not self._fut.done():
-            if time.monotonic() > deadline:
-                raise dist.DistBackendError(f"shm: send/recv did not finish within {limit} (the group timeout)")
-            time.sleep(1e-4)
-        self._fut.wait()
-        return True
-
-    def get_future(self) -> "torch.futures.Future[Any]":
-        return self._fut
-
-    def is_completed(self) -> bool:
-        return self._fut.done()
 
 
 # --------------------------------------------------------------------------- registration

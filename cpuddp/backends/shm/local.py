@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .agree import Call, Ring, describe
-from .segment import C_CHECKED, Segment
+from .segment import C_CHECKED, W_ABORT, Segment
 from .wait import Waiter
 
 __all__ = ["LocalEngine"]
@@ -83,7 +83,6 @@ class LocalEngine:
         :meth:`settle` for a call without one)."""
         if self.broken is not None:
             raise dist.DistBackendError(f"the shm process group is broken by an earlier error: {self.broken}")
-        self.waiter.check_abort()  # a peer gave up: its data in the slots may be from a call it abandoned
         self.seq += 1
         seq = self.seq
         if self.n > 1 and self.ring.slot_free(seq):
@@ -121,6 +120,8 @@ class LocalEngine:
                 break
         if self._unchecked is not None:
             self.settle()
+        if seg.words[W_ABORT]:  # a peer gave up: what it left in the slots may be from a call it abandoned
+            self.waiter.check_abort()
         self.epoch = e
 
     def fail(self, why: str) -> None:

@@ -18,14 +18,14 @@ import datetime
 import os
 import queue
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from cpuddp.errors import BackendError
 
-__all__ = ["Stream", "ShmWork", "async_setting", "ASYNC_VAR", "ASYNC_FROM"]
+__all__ = ["Stream", "ShmWork", "GatheredWork", "TimedWork", "async_setting", "ASYNC_VAR", "ASYNC_FROM"]
 
 ASYNC_VAR = "CPUDDP_SHM_ASYNC"
 #: With the communication thread on, collectives at least this big are queued on it; smaller
@@ -89,6 +89,44 @@ class ShmWork(dist.Work):
 
     def result(self) -> Any:
         return self._fut.value()
+
+
+class GatheredWork(dist.Work):
+    """Several inner Works as one (a whole-gloo group's coalesced forms)."""
+
+    def __init__(self, works: Sequence[Any], result: Any) -> None:
+        super().__init__()
+        self._works, self._result = list(works), result
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+    def get_future(self) -> "torch.futures.Future[Any]":
+        self.wait()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+class TimedWork(ShmWork):
+    """A point-to-point Work: like :class:`ShmWork`, and its ``wait()`` gives up after the group
+    timeout (a send or recv the peer never matches)."""
+
+    def __init__(self, fut: "torch.futures.Future[Any]", timeout: datetime.timedelta) -> None:
+        super().__init__(fut)
+        self._timeout = timeout
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        limit = timeout if timeout is not None and timeout.total_seconds() > 0 else self._timeout
+        if not self._fut.done():
+            finished = threading.Event()
+            self._fut.add_done_callback(lambda _f: finished.set())
+            if not finished.wait(limit.total_seconds()):
+                raise dist.DistBackendError(f"shm: send/recv did not finish within {limit} (the group timeout)")
+        self._fut.wait()
+        return True
 
 
 class Stream:
