@@ -65,7 +65,7 @@ def test_help_lists_commands() -> None:
 @pytest.mark.timeout(60)
 def test_usage_errors_exit_2() -> None:
     assert cpuddp(timeout=50).returncode == 2  # no command
-    assert cpuddp("bench", "alltoall", timeout=50).returncode == 2
+    assert cpuddp("bench", "allscatter", timeout=50).returncode == 2
     r = cpuddp("bench", "allreduce", "-b", "1M", "-e", "1K", timeout=50)
     assert r.returncode == 2 and "--min" in r.stderr
 
@@ -125,6 +125,20 @@ def test_bench_min_busbw_sets_exit_code() -> None:
     assert "# Min bus bandwidth" in r.stdout and "FAILED" in r.stdout
     rows = table_rows(r.stdout)
     assert rows and all(x[2] == "bfloat16" and x[3] == "sum" and x[-1] == "0" for x in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("collective", ["reduce", "gather", "scatter", "all_to_all", "barrier"])
+def test_bench_every_other_collective_on_gloo_and_shm_checks_its_result(collective: str) -> None:
+    r = cpuddp("bench", collective, "--nproc", "2", *TINY, "--backend", "gloo,shm", "--rounds", "1",
+               "--no-ceiling", timeout=280)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "# Out of bounds values : 0 OK" in r.stdout, r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip() and not line.startswith(("#", "["))]
+    assert rows, r.stdout
+    if collective == "barrier":  # it moves nothing: one row of size 0
+        assert len(rows) == 1 and rows[0][0] == "0", rows
 
 
 @pytest.mark.timeout(60)

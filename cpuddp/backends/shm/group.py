@@ -64,7 +64,7 @@ from .node import NodePlan, check_local_size, parse_who, plan_node, whoami
 from .ops import check_tensors
 from .p2p import PeerLinks
 from .segment import C_STATE, STATE_LEFT
-from .stream import Stream, TimedWork, async_setting
+from .stream import GatheredWork, Stream, TimedWork, async_setting
 from .wait import Waiter
 
 __all__ = ["NAME", "ShmProcessGroup", "register", "eligibility"]
@@ -119,13 +119,13 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
 
     def _setup(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> str:
         """Find the node's ranks through ``store``, map the node's segment; the mode's reason."""
-        store = dist.PrefixStore(f"shm/{store.add(f'shm/joins/{rank}', 1)}/", store)
+        store = dist.PrefixStore(f"shm/{store.add(f'shm/joins/{rank}', 1)}", store)
         store.set(f"who/{rank}", whoami())
         plan = plan_node([parse_who(store.get(f"who/{r}"), f"who/{r}") for r in range(size)], rank)
         check_local_size(plan, self._options.local_size, rank)
         self._plan = plan
         if plan.whole_gloo is not None:
-            self._world = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+            self._world = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
             return plan.whole_gloo
         seconds = timeout.total_seconds()
         seg, socks = map_segment(store, rank, plan, seconds, shm_check.slot_bytes(os.environ))
@@ -134,9 +134,9 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._links = PeerLinks({plan.local[j]: s for j, s in socks.items()}, rank)
         if plan.nodes == 1:
             return f"shared memory among {plan.local_size} ranks"
-        cross = cross_group(dist.PrefixStore(f"cross/{plan.local_rank}/", store), plan, timeout, self._options.inter)
+        cross = cross_group(dist.PrefixStore(f"cross/{plan.local_rank}", store), plan, timeout, self._options.inter)
         self._hier = Hierarchy(self._eng, plan, cross)
-        self._world = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+        self._world = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
         return (f"shared memory within each of {plan.nodes} nodes ({plan.local_size} ranks each), "
                 f"{self._options.inter} between them")
 
@@ -205,19 +205,19 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         return self._p2p(tensors, src, tag, "recv")
 
     def _p2p(self, tensors: Any, peer: int, tag: int, kind: str) -> Any:
+        """Within the node over its sockets, else on the gloo group of every rank; a tensor that
+        is not contiguous goes through a staging copy (and back, for a recv)."""
         self._usable()
         tensors = forms.one_tensor(tensors, kind)
         check_tensors(tensors, kind)
-        if self._links is None or not self._links.has(peer):
-            return getattr(self._world, kind)(tensors, peer, tag)
         t = tensors[0]
-        if kind == "send":
-            flat = t if t.is_contiguous() else t.contiguous()
-            return TimedWork(self._links.send(flat, peer, tag), self._timeout)
-        flat = t if t.is_contiguous() else torch.empty(t.shape, dtype=t.dtype)
-        fut = self._links.recv(flat, peer, tag)
-        if flat is not t:
-            fut = fut.then(lambda f: (t.copy_(flat), f.value())[1])
+        flat = t if t.is_contiguous() else (t.contiguous() if kind == "send" else torch.empty(t.shape, dtype=t.dtype))
+        back = (lambda: t.copy_(flat)) if kind == "recv" and flat is not t else None
+        if self._links is None or not self._links.has(peer):
+            return GatheredWork([getattr(self._world, kind)([flat], peer, tag)], [t], back)
+        fut = self._links.send(flat, peer, tag) if kind == "send" else self._links.recv(flat, peer, tag)
+        if back is not None:
+            fut = fut.then(lambda f: (f.value(), back(), [t])[2])
         return TimedWork(fut, self._timeout)
 
     def recv_anysource(self, tensors: Any, tag: int = 0) -> Any:

@@ -92,15 +92,19 @@ class ShmWork(dist.Work):
 
 
 class GatheredWork(dist.Work):
-    """Several inner Works as one (a whole-gloo group's coalesced forms)."""
+    """Several inner Works as one (a gloo group's coalesced forms; a staged send/recv), with
+    ``after()`` run once they all finished (a staged recv's copy back)."""
 
-    def __init__(self, works: Sequence[Any], result: Any) -> None:
+    def __init__(self, works: Sequence[Any], result: Any, after: Optional[Callable[[], None]] = None) -> None:
         super().__init__()
-        self._works, self._result = list(works), result
+        self._works, self._result, self._after = list(works), result, after
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         for w in self._works:
             w.wait()
+        after, self._after = self._after, None
+        if after is not None:
+            after()
         return True
 
     def get_future(self) -> "torch.futures.Future[Any]":
