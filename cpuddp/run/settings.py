@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from cpuddp.affinity.plan import KMP_AFFINITY, KMP_BLOCKTIME
 
-from .plan import RunPlanError
+from cpuddp.affinity.job import RunPlanError
 
 __all__ = ["ALLOCATORS", "AUTO_ALLOCATORS", "LIB_DIRS", "DEFAULTS", "find_allocator", "openmp_runtime", "settings_env"]
 
