@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shlex
 import shutil
 import socket
 import subprocess
