@@ -281,27 +281,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.seq_len > SIZES[args.size]["max_positions"]:
         raise SystemExit(f"--seq-len {args.seq_len} is longer than --size {args.size} allows "
                          f"({SIZES[args.size]['max_positions']} positions); use a shorter one or --size bench")
-
-    model, model_name = build_model(args.model, args.size, seed=args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    model = cpuddp.prepare(
-        model,
-        optimizer,
-        mixed_precision=None if args.precision == "fp32" else args.precision,
-        strict=args.strict_bf16,
-        ipex=False if args.no_ipex else None,
-        compile=args.compile,
-        comm_hook=args.comm_hook,
-    )
+    model, optimizer, model_name = prepared_model(args)
     info = cpuddp.prepared_info(model)
     scheduler = linear_schedule(optimizer, warmup=max(1, args.steps // 10), total=args.steps)
-
     per_step = env.world_size * args.batch_size
-    num_samples = args.num_samples or args.steps * per_step
-    train = build_dataset(num_samples, args.seq_len, seed=args.seed, path=args.data)
-    loader = cpuddp.shard(train, batch_size=args.batch_size, shuffle=True, seed=args.seed, drop_last=True)
-    if len(loader) == 0:
-        raise SystemExit(f"--num-samples {num_samples} gives no full batch of {args.batch_size} per rank")
+    train, loader = training_data(args, per_step)
     warmup = min(5, args.steps // 5) if args.warmup_steps is None else args.warmup_steps
     precision = "auto (measuring)" if "measuring" in info.precision_reason else info.mixed_precision or "fp32"
     nparams = sum(p.numel() for p in cpuddp.unwrap(model).parameters())
@@ -317,36 +301,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          warmup=warmup) as progress:
         first_loss = train_steps(args, model, optimizer, scheduler, loader, progress, start, warmup, first_loss)
     timed = progress.close()
-    last_loss = cpuddp.reduce_mean(timed.loss)
-    info = cpuddp.prepared_info(model)  # after "auto"'s trial: what it kept, with both numbers
-
-    accuracy = evaluate(model, args) if args.eval_samples > 0 else None
-    in_sync = replicas_identical(model)
-    wall = time.perf_counter() - _STARTED
     result = {
-        "samples_per_s": timed.samples_per_s,
-        "loss": last_loss,
-        "first_loss": first_loss,
-        "accuracy": accuracy,
-        "replicas_identical": in_sync,
-        "eval_samples": args.eval_samples,
-        "steps": args.steps,
-        "warmup_steps": warmup,
-        "train_seconds": timed.seconds,
-        "wall_seconds": wall,
-        "batch_size_per_rank": args.batch_size,
-        "world_size": env.world_size,
-        "threads_per_rank": torch.get_num_threads(),
-        "backend": backend,
-        "precision": info.mixed_precision or "fp32",
-        "requested_precision": args.precision,
-        "ranks": timed.ranks,
-        "precision_reason": info.precision_reason,
-        "path": info.path,
-        "fused_optimizer": info.fused_optimizer,
-        "model": model_name,
-        "launcher": env.launcher,
-        "torch": torch.__version__,
+        "samples_per_s": timed.samples_per_s, "loss": cpuddp.reduce_mean(timed.loss), "first_loss": first_loss,
+        "accuracy": evaluate(model, args) if args.eval_samples > 0 else None,
+        "replicas_identical": replicas_identical(model), "eval_samples": args.eval_samples, "steps": args.steps,
+        "warmup_steps": warmup, "train_seconds": timed.seconds, "wall_seconds": time.perf_counter() - _STARTED,
+        "batch_size_per_rank": args.batch_size, "world_size": env.world_size,
+        "threads_per_rank": torch.get_num_threads(), "backend": backend, "ranks": timed.ranks,
+        "model": model_name, "launcher": env.launcher, "torch": torch.__version__,
+        **precision_result(cpuddp.prepared_info(model), args),  # after "auto"'s trial: what it kept
     }
     if args.save:
         cpuddp.save_state_dict(model, args.save)
@@ -356,6 +319,37 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(result, fh, indent=1)
     cpuddp.shutdown()
     return 0
+
+
+def prepared_model(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, str]:
+    """The model with random weights, its AdamW, and prepare's result (precision, fusing, DDP)."""
+    model, model_name = build_model(args.model, args.size, seed=args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    model = cpuddp.prepare(
+        model,
+        optimizer,
+        mixed_precision=None if args.precision == "fp32" else args.precision,
+        strict=args.strict_bf16,
+        ipex=False if args.no_ipex else None,
+        compile=args.compile,
+        comm_hook=args.comm_hook,
+    )
+    return model, optimizer, model_name
+
+
+def training_data(args: argparse.Namespace, per_step: int) -> tuple[Any, Any]:
+    """The training pairs and this rank's shard of them."""
+    num_samples = args.num_samples or args.steps * per_step
+    train = build_dataset(num_samples, args.seq_len, seed=args.seed, path=args.data)
+    loader = cpuddp.shard(train, batch_size=args.batch_size, shuffle=True, seed=args.seed, drop_last=True)
+    if len(loader) == 0:
+        raise SystemExit(f"--num-samples {num_samples} gives no full batch of {args.batch_size} per rank")
+    return train, loader
+
+
+def precision_result(info: Any, args: argparse.Namespace) -> dict:
+    return {"precision": info.mixed_precision or "fp32", "requested_precision": args.precision,
+            "precision_reason": info.precision_reason, "path": info.path, "fused_optimizer": info.fused_optimizer}
 
 
 def resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,

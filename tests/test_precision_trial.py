@@ -98,7 +98,7 @@ def test_trial_steps_from_the_environment() -> None:
 # --------------------------------------------------------------------------- prepare(..., "auto")
 
 
-@pytest.mark.parametrize("fp32_ms, bf16_ms, kept", [(100, 60, "bf16"), (100, 140, None)])
+@pytest.mark.parametrize("fp32_ms, bf16_ms, kept", [(100, 70, "bf16"), (100, 140, None)])
 def test_auto_keeps_the_faster_and_says_both_numbers(monkeypatch, caplog, fp32_ms, bf16_ms, kept) -> None:
     model, out, opt = _prepared(monkeypatch, fp32_ms, bf16_ms)
     assert prepared_info(out).precision_reason.startswith("auto: measuring fp32 and bf16 on the first 14")
@@ -113,7 +113,7 @@ def test_auto_keeps_the_faster_and_says_both_numbers(monkeypatch, caplog, fp32_m
 
 
 def test_eval_forwards_are_not_timed_and_run_fp32_during_an_auto_trial(monkeypatch) -> None:
-    model, out, opt = _prepared(monkeypatch, 100, 60)
+    model, out, opt = _prepared(monkeypatch, 100, 70)
     _steps(out, opt, 4)
     with torch.no_grad():
         out(torch.randn(1, 4))
@@ -133,6 +133,29 @@ def test_explicit_bf16_that_measures_slower_says_so_and_stays(monkeypatch) -> No
     with pytest.warns(UserWarning, match=r"fp32 100.0 ms/step, bf16 140.0 ms/step .*it is slower here"):
         _steps(out, opt, TRIAL)
     assert prepared_info(out).mixed_precision == "bf16" and model.seen[-1] is True
+
+
+@pytest.mark.parametrize("fp32_ms, bf16_ms, kept", [(30, 260, None), (300, 100, "bf16")])
+def test_a_clear_verdict_ends_the_trial_early(monkeypatch, fp32_ms, bf16_ms, kept) -> None:
+    """bf16 emulated (8x slower) need not be paid for 7 steps: after the first block of 4
+    measured steps, every step of one precision over 1.5x every step of the other ends it."""
+    model, out, opt = _prepared(monkeypatch, fp32_ms, bf16_ms)
+    _steps(out, opt, 2 + 4 + 1 + 2)
+    info = prepared_info(out)
+    assert info.mixed_precision == kept and "decided after 4 measured steps" in info.precision_reason
+    assert model.seen[:6].count(True) == 3 and model.seen[6:] == [kept == "bf16"] * 3
+
+
+def test_one_slow_outlier_does_not_end_the_trial(monkeypatch) -> None:
+    model, out, opt = _prepared(monkeypatch, 100, 90)
+    costs = model.cost
+    model.cost = {False: 0.100, True: 0.090}
+    _steps(out, opt, 3)
+    model.cost = {False: 0.100, True: 0.500}  # one bf16 step stalls (a page fault storm, a GC)
+    _steps(out, opt, 1)
+    model.cost = costs
+    _steps(out, opt, TRIAL - 4 + 1)
+    assert "decided after" not in prepared_info(out).precision_reason
 
 
 def test_no_native_bf16_means_fp32_without_measuring(monkeypatch) -> None:

@@ -17,6 +17,9 @@ apart for a given model, so ``prepare(mixed_precision="auto")`` measures:
 3. At the next training forward every rank takes the median of its steps of each precision,
    the ranks average them (one ``all_reduce``: every rank decides the same), and bf16 is kept
    when it is at least :data:`MARGIN` faster; else fp32 (the more exact of two equals).  The
+   trial ends early, after a block of :data:`BLOCK` measured steps, when every step of one
+   precision took over :data:`EARLY` times every step of the other on every rank (bf16
+   emulated by kernels that lack it ran 8x slower: the trial should not pay for that long).  The
    decision is logged on rank 0 with both numbers, and :func:`cpuddp.prepared_info` says it.
 
 An explicit ``mixed_precision="bf16"`` runs the same trial and keeps bf16 whatever it
@@ -45,7 +48,8 @@ from cpuddp.ranks import group_rank_world
 
 from .precision import AutocastHooks
 
-__all__ = ["PrecisionTrial", "add_precision_hooks", "trial_steps", "verdict", "DEFAULT_STEPS", "MARGIN", "WARM", "ENV"]
+__all__ = ["PrecisionTrial", "add_precision_hooks", "trial_steps", "verdict", "DEFAULT_STEPS", "MARGIN", "WARM",
+           "BLOCK", "EARLY", "ENV"]
 
 _log = logging.getLogger("cpuddp.prepare")
 
@@ -55,6 +59,10 @@ DEFAULT_STEPS = 6
 MARGIN = 0.05
 #: Steps not counted: the first of each precision.
 WARM = 2
+#: Measured steps per block (two of each); after each block the trial may end early ...
+BLOCK = 4
+#: ... when one precision's median step is this many times the other's: no need to pay for more.
+EARLY = 1.5
 
 
 def trial_steps(environ: Mapping[str, str]) -> int:
@@ -121,22 +129,40 @@ class PrecisionTrial(AutocastHooks):
         if self._last is not None and self._index > WARM:
             start, was_bf16 = self._last
             self.times[was_bf16].append(now - start)
-        if self._index >= len(self.plan):
-            self._decide()
+        done = self._index >= len(self.plan)
+        if done or (self._index > WARM and (self._index - WARM) % BLOCK == 0 and self._apart()):
+            self._decide(*self._medians())  # every rank reaches this forward: they agree
             return bool(self.bf16)
         use = self.plan[self._index]
         self._index += 1
         self._last = (now, use)
         return use
 
-    def _decide(self) -> None:
+    def _apart(self) -> bool:
+        """Is every step of one precision over :data:`EARLY` times every step of the other, on
+        every rank?  (Min against max: one slow outlier cannot end the trial.)"""
+        f, b = self.times[False], self.times[True]
+        spread = torch.tensor([max(f), max(b), -min(f), -min(b)], dtype=torch.float64)
+        if group_rank_world(self.group)[1] > 1:
+            dist.all_reduce(spread, op=dist.ReduceOp.MAX, group=self.group)
+        max_f, max_b, min_f, min_b = float(spread[0]), float(spread[1]), -float(spread[2]), -float(spread[3])
+        return min_b > EARLY * max_f or min_f > EARLY * max_b
+
+    def _medians(self) -> tuple[float, float]:
+        """Each precision's median step, averaged over the ranks (the same on every rank)."""
         medians = torch.tensor([statistics.median(self.times[False]), statistics.median(self.times[True])],
                                dtype=torch.float64)
         _, world = group_rank_world(self.group)
         if world > 1:
             dist.all_reduce(medians, group=self.group)
             medians /= world
-        keep, self.reason, warn = verdict(self.requested, float(medians[0]), float(medians[1]))
+        return float(medians[0]), float(medians[1])
+
+    def _decide(self, fp32_s: float, bf16_s: float) -> None:
+        keep, self.reason, warn = verdict(self.requested, fp32_s, bf16_s)
+        steps = len(self.times[False]) + len(self.times[True])
+        if steps < len(self.plan) - WARM:
+            self.reason += f" (decided after {steps} measured steps: every step of one took over {EARLY:g}x the other's)"
         self.bf16 = keep
         if group_rank_world(None)[0] == 0:
             _log.warning("precision: %s", self.reason)
