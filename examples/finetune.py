@@ -297,7 +297,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     start, first_loss = resume(args, model, optimizer, scheduler, loader)
     model.train()
     warmup = min(warmup, max(0, args.steps - start - 1))
-    with cpuddp.Progress(max(1, args.steps - start), samples_per_step=per_step, every=args.log_every,
+    with cpuddp.Progress(args.steps, start=min(start, args.steps), samples_per_step=per_step, every=args.log_every,
                          warmup=warmup) as progress:
         first_loss = train_steps(args, model, optimizer, scheduler, loader, progress, start, warmup, first_loss)
     timed = progress.close()
@@ -386,7 +386,7 @@ def train_steps(args: argparse.Namespace, model: nn.Module, optimizer: torch.opt
         if step in (start + warmup, args.steps):
             cpuddp.barrier()  # samples/s from barrier to barrier: every rank's steps are done
         progress.update(loss=loss.item())
-        if progress.step == progress.every and first_loss is None:
+        if progress.step - start == progress.every and first_loss is None:
             first_loss = cpuddp.reduce_mean(progress.loss)
         if args.checkpoint_dir and ((args.save_every and step % args.save_every == 0) or step == last):
             cpuddp.save_checkpoint(args.checkpoint_dir, step=step, model=model, optimizer=optimizer,

@@ -171,6 +171,18 @@ def test_the_header_names_every_rank_once_prepare_has_gathered_them(run_distribu
     assert out1 == ""
 
 
+def test_a_resumed_run_counts_on_from_its_start():
+    clock, out = Clock(), io.StringIO()
+    p = Progress(10, start=6, samples_per_step=2, warmup=1, enabled=True, stream=out, clock=clock, header=False)
+    assert p.step == 6 and p.every == 1 and math.isnan(p.rate())
+    _run(p, clock, [0.5] * 4)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("step  7/10") and lines[-1].startswith("step 10/10")
+    assert p.rate() == pytest.approx(4.0)  # after the warm-up step: 3 steps of 0.5 s, 2 samples each
+    with pytest.raises(ValueError, match="start must be an int from 0 to total"):
+        Progress(10, start=11)
+
+
 def test_header_off_or_given():
     out = io.StringIO()
     Progress(2, enabled=True, stream=out, header=False).close()

@@ -84,7 +84,8 @@ class Progress:
 
     ``samples_per_step`` (every rank's samples in one step) turns step times into samples/s;
     without it the rate is in steps/s.  ``header``: True writes the ranks' CPUs and threads
-    first (the module doc), a string writes that instead, False nothing.  ``enabled`` (default: global rank 0) and ``stream``
+    first (the module doc), a string writes that instead, False nothing.  ``start``: the
+    steps already done (a run resumed from a checkpoint): the line counts on from there.  ``enabled`` (default: global rank 0) and ``stream``
     (default: stderr) say whether and where to write; ``tty`` overrides the stream's own
     ``isatty()``.  ``clock`` is for tests.
     """
@@ -101,6 +102,7 @@ class Progress:
         tty: Optional[bool] = None,
         clock: Callable[[], float] = time.perf_counter,
         header: Union[bool, str] = True,
+        start: int = 0,
     ) -> None:
         if isinstance(total, bool) or not isinstance(total, int) or total < 1:
             raise ValueError(f"total must be an int >= 1 (the number of steps). Got {total!r} instead.")
@@ -110,10 +112,14 @@ class Progress:
             raise ValueError(f"samples_per_step must be positive or None. Got {samples_per_step!r} instead.")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be an int >= 0. Got {warmup!r} instead.")
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= total:
+            raise ValueError(f"start must be an int from 0 to total ({total}): the steps already done (a resumed "
+                             f"run). Got {start!r} instead.")
         self.total = total
-        self.every = every if every is not None else max(1, round(total / 10))
+        self.start = start
+        self.every = every if every is not None else max(1, round((total - start) / 10))
         self.samples_per_step = samples_per_step
-        self.warmup = min(warmup, total - 1)
+        self.warmup = max(0, min(warmup, total - start - 1))
         self.enabled = _is_main_process() if enabled is None else bool(enabled)
         self.stream = stream if stream is not None else sys.stderr
         if tty is None:
@@ -124,7 +130,7 @@ class Progress:
         self._start = clock()
         self._warm_at: Optional[float] = self._start if self.warmup == 0 else None
         self._losses: deque = deque(maxlen=self.every)
-        self._step = 0
+        self._step = start
         self._drawn_at = -math.inf
         self._width = 0
         self._closed: Optional[ProgressSummary] = None
@@ -149,7 +155,7 @@ class Progress:
         """samples/s (steps/s without ``samples_per_step``) after the warm-up; nan before."""
         if self._warm_at is None:
             return math.nan
-        timed = self._step - self.warmup
+        timed = self._step - self.start - self.warmup
         seconds = (self._clock() if now is None else now) - self._warm_at
         if timed <= 0 or seconds <= 0:
             return math.nan
@@ -173,7 +179,7 @@ class Progress:
         self._step = min(self.total, self._step + steps)
         if loss is not None:
             self._losses.append(float(loss))
-        if self._warm_at is None and self._step >= self.warmup:
+        if self._warm_at is None and self._step >= self.start + self.warmup:
             self._warm_at = now
         if not self.enabled:
             return
