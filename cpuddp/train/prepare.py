@@ -366,7 +366,8 @@ def prepare(
     """Optimize ``model`` (and ``optimizer``, in place) for the CPU and wrap it in DDP.
 
     Returns the module to train.  ``optimizer`` may be omitted (inference, evaluation).
-    ``mixed_precision``: None/"fp32" or "bf16".  ``strict``: raise
+    ``mixed_precision``: None/"fp32", "bf16", or "auto" (the faster, timed on the first steps:
+    :mod:`cpuddp.train.precision_trial`).  ``strict``: raise
     :class:`PrepareError` instead of warning when bf16 (or a bf16 comm hook) cannot be had.
     ``ipex``: None uses IPEX when a matching one is installed, True requires it, False
     never uses it.  ``ddp``: None wraps when the world size is above 1 and a parameter
