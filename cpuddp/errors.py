@@ -17,6 +17,7 @@ __all__ = [
     "GroupShutDownError",
     "RendezvousError",
     "PrepareError",
+    "CheckpointError",
     "RankFailedError",
     "first_line",
     "how_it_ended",
@@ -120,6 +121,20 @@ class RendezvousError(CpuddpError, RuntimeError):
 
 class PrepareError(CpuddpError, RuntimeError):
     """``prepare()`` was asked for something it cannot do (e.g. bf16 on a CPU without it)."""
+
+
+class CheckpointError(CpuddpError, RuntimeError):
+    """A checkpoint cannot be written or read: a wrong argument, an unsafe place, a full disk.
+
+    ``path`` is the file or directory concerned (None for an argument error).
+    """
+
+    def __init__(self, msg: str, *, path: Optional[str] = None, fix: Optional[str] = None) -> None:
+        self.path = path
+        super().__init__(msg, fix=fix)
+
+    def _fields(self) -> dict[str, Any]:
+        return {"path": self.path, "fix": self.fix}
 
 
 class RankFailedError(CpuddpError, RuntimeError):
