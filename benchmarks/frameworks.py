@@ -31,6 +31,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plot import pyplot  # noqa: E402
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -183,10 +186,9 @@ def markdown(table: dict[str, dict[str, Any]]) -> str:
 
 
 def plot(table: dict[str, dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("frameworks.png")
+    if plt is None:
+        return
 
     fws = [fw for fw in table if "ratio" in table[fw]]
     fig, ax = plt.subplots(figsize=(7, 3.6))

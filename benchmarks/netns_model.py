@@ -31,6 +31,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plot import pyplot  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # ---- constants (seconds, bytes); each from a measurement named in docs/multinode.md
@@ -125,10 +128,9 @@ def check(measured: Optional[Path] = None) -> str:
 
 
 def plot(out: Path, l: int = 2) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("the model's figure")
+    if plt is None:
+        return
 
     nodes = [1, 2, 4, 8, 16, 32, 64, 128]
     fig, axes = plt.subplots(1, len(LINKS), figsize=(5 * len(LINKS), 4), sharey=True)

@@ -36,6 +36,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _plot import pyplot  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 SETUPS = ("cpuddp", "unpinned", "oversubscribed")
 
@@ -170,10 +173,9 @@ def _cpu_model() -> str:
 
 
 def plot(medians: dict[str, float], samples: dict[str, list[float]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot("pinning.png")
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
     names = list(medians)

@@ -12,7 +12,7 @@ Settings (``cpuddp run`` options), each against ``baseline`` (``--allocator none
 
 Workloads, both started by ``cpuddp run --ranks-per-node 2`` (each rank pinned to its core):
 
-- ``finetune``: README's example, ``examples/finetune.py --steps S --eval-samples 0`` (its
+- ``finetune``: README's example, ``examples/finetune.py --steps S --eval-samples 0 --precision fp32`` (its
   samples/s, warm-up steps left out);
 - ``mlp``: a 10.5 M-parameter MLP (1024 -> 2048 -> 2048 -> 2048 -> 10, ReLU), batch 64 per
   rank, AdamW, DDP; samples/s over ``--mlp-steps`` timed steps after 5 warm-up steps.
@@ -83,7 +83,7 @@ def one_run(setting: str, workload: str, args: argparse.Namespace, tmp: Path) ->
     result = tmp / f"{setting}-{workload}.json"
     result.unlink(missing_ok=True)
     if workload == "finetune":
-        script = [str(REPO / "examples" / "finetune.py"), "--steps", str(args.steps), "--eval-samples", "0",
+        script = [str(REPO / "examples" / "finetune.py"), "--steps", str(args.steps), "--eval-samples", "0", "--precision", "fp32",
                   "--log-every", str(args.steps), "--result-json", str(result)]
     else:
         script = [str(Path(__file__).resolve()), "--mlp-rank", str(result), "--mlp-steps", str(args.mlp_steps)]

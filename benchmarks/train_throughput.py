@@ -168,6 +168,7 @@ def clean_env() -> dict[str, str]:
     env.pop("OMP_NUM_THREADS", None)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env["CPUDDP_PRECISION_TRIAL"] = "0"  # time each precision as asked, from the first step
     return env
 
 
@@ -189,8 +190,7 @@ def command(runner: str, precision: str, ranks: int, opts: argparse.Namespace, r
     if runner == "cpuddp":
         cmd = launch + [str(EXAMPLE), *common, "--warmup-steps", str(opts.warmup), "--eval-samples", "0",
                         "--model", "hf", "--size", "bench", "--log-every", str(max(1, min(10, opts.steps)))]
-        if precision == "bf16":
-            cmd.append("--bf16")
+        cmd += ["--precision", precision]  # each as asked: CPUDDP_PRECISION_TRIAL=0 (clean_env) skips the trial
         return cmd + shlex.split(opts.cpuddp_args)
     return launch + [str(Path(__file__).resolve()), "--worker", "trainer", *common,
                      "--warmup", str(opts.warmup), "--precision", precision]

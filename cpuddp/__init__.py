@@ -50,8 +50,8 @@ _EXPORTS = {
     "PrepareInfo": "train.prepare",
     "prepared_info": "train.prepare",
     "unwrap": "train.prepare",
-    "shard": "train.loop",
-    "ShardedLoader": "train.loop",
+    "shard": "train.data",
+    "ShardedLoader": "train.data",
     "autocast_for": "train.loop",
     "reduce_mean": "train.loop",
     "is_main_process": "train.loop",
@@ -60,6 +60,8 @@ _EXPORTS = {
     "load_state_dict": "train.loop",
     "clip_grad_norm_": "train.grads",
     "no_sync": "train.grads",
+    "save_checkpoint": "train.resume",
+    "load_checkpoint": "train.resume",
     "Progress": "train.progress",
     "ProgressSummary": "train.progress",
     # backends
@@ -74,6 +76,7 @@ _EXPORTS = {
     "BackendError": "errors",
     "RendezvousError": "errors",
     "PrepareError": "errors",
+    "CheckpointError": "errors",
     "RankFailedError": "errors",
 }
 
@@ -116,6 +119,7 @@ if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
     from .distributed import Session, get_env, get_session, init_distributed, session, shutdown
     from .errors import (
         BackendError,
+        CheckpointError,
         CpuddpError,
         LauncherEnvError,
         PrepareError,
@@ -125,16 +129,16 @@ if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
     from .launchers.env import DistEnv
     from .launchers.registry import detect, register_launcher
     from .ranks import get_local_rank, get_local_world_size, get_rank, get_world_size, log0, print0
+    from .train.data import ShardedLoader, shard
     from .train.loop import (
-        ShardedLoader,
         autocast_for,
         barrier,
         is_main_process,
         load_state_dict,
         reduce_mean,
         save_state_dict,
-        shard,
     )
     from .train.grads import clip_grad_norm_, no_sync
     from .train.prepare import PrepareInfo, prepare, prepared_info, unwrap
+    from .train.resume import load_checkpoint, save_checkpoint
     from .train.progress import Progress, ProgressSummary

@@ -66,13 +66,12 @@ import dataclasses
 import datetime
 import logging
 import os
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Optional
 
 from cpuddp.launchers import hosts
-from cpuddp.launchers.env import DistEnv, Provenance, Source
+from cpuddp.launchers.env import DistEnv, Provenance
 from cpuddp.launchers.exports import DEFAULT_TIMEOUT, Exports, Timeout
 from cpuddp.launchers.exports import configure_logging as _configure_logging
 from cpuddp.launchers.exports import timeout_from as _timeout
@@ -81,7 +80,7 @@ from cpuddp.launchers.rendezvous import local_address, mpi_master_addr, open_sto
 
 from . import ddp_check
 from ._compat import TESTED_TORCH, check_torch_version, older_than_tested
-from .errors import BackendError, RendezvousError, first_line
+from .errors import BackendError, RendezvousError
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.affinity.plan import PinPlan
@@ -128,6 +127,7 @@ class _Undo:
     exports: Exports = field(default_factory=Exports)
     keep: Any = None  # keeps the store (and its listening socket) alive with the group
     pin_state: Any = None
+    pid: int = field(default_factory=os.getpid)  # a forked child is not this rank: it undoes nothing
 
 
 _lock = threading.RLock()
@@ -181,7 +181,7 @@ def init_distributed(
 
         _check_torch()
         if dist.is_initialized():
-            return _adopt(env).env
+            return _adopt(env, backend).env
         _clear_stale()
         if env.master_addr == "":
             env = env.replace(master_addr=mpi_master_addr(env))
@@ -232,9 +232,10 @@ def _check_torch() -> None:
     check_torch_version(log)
 
 
-def _adopt(env: DistEnv) -> Session:
+def _adopt(env: DistEnv, backend: str) -> Session:
     """The group already exists: ours (return it), a dead one of ours (refuse), or one the
-    user made with torch's own ``init_process_group`` (adopt it)."""
+    user made with torch's own ``init_process_group`` (adopt it).  A named backend other than
+    the live group's is an error, never the old group."""
     global _current
     import torch.distributed as dist
 
@@ -244,6 +245,13 @@ def _adopt(env: DistEnv) -> Session:
             "a new one cannot be formed beside it",
             fix="restart the process (a peer probably died mid-collective); in a notebook, restart the kernel",
         )
+    live = _current.backend if _current is not None else str(dist.get_backend())
+    asked = backend.strip().lower() if isinstance(backend, str) else backend
+    if asked != "auto" and asked != live:
+        raise BackendError(
+            f"init_distributed(backend={backend!r}) was called while a {live!r} process group exists in this process",
+            fix=f"call cpuddp.shutdown() first to form a {backend!r} group, or pass backend={live!r} (or 'auto') "
+                "to get the live one")
     if _current is not None:
         log.debug("init_distributed: already initialized; returning the current DistEnv")
         return _current
@@ -257,11 +265,13 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
           environ: MutableMapping[str, str], undo: _Undo) -> Session:
     """Steps 2-6 of the module docstring: meet, gather, agree, plan and pin, form, check."""
     from cpuddp.affinity import pin as affinity
+    from cpuddp.backends import forming
 
     before = affinity.thread_ids()  # the compute threads (this one, OpenMP's) and the user's
     wide = hosts.allowed_cpus() or None  # where communication threads may run
     store = _meet(env, td, environ, undo)
     step = f"cpuddp/init{undo.generation}"
+    said_local = hosts.launcher_local_size(env)  # before the hosts gathered replace it
     try:
         env, local_cpus = _gather_layout(env, store, f"{step}/host", td)
         choice = _agree_backend(backend, env, store, f"{step}/backend", td, environ, _node_cpus(local_cpus))
@@ -274,8 +284,8 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
                 hosts.publish_error(store, f"{step}/{name}", env.rank, exc)
         raise
     with affinity.thread_affinity(wide):
-        _form_group(env, choice.name, store, td)
-        _first_collective(env, choice.name)
+        forming.form_group(env, choice.name, store, td, forming.group_options(choice, plan, said_local))
+        forming.first_collective(env, choice.name)
         if store is not None:
             from cpuddp.watchdog import monitor as watchdog
 
@@ -336,26 +346,7 @@ def _gather_layout(env: DistEnv, store: Any, name: str,
         missing_fix=lambda shown: f"{_size_var(env)}={env.world_size} but rank(s) {shown} never reached the "
         f"rendezvous at {where}: start them (check the launcher's rank count and their logs), or fix the world size")
     lay = hosts.layout(records, env.rank)
-    return _apply_layout(env, lay), lay.local_cpus
-
-
-def _apply_layout(env: DistEnv, lay: hosts.Layout) -> DistEnv:
-    """``env`` with local rank, local size, node rank and node count from the hosts; a
-    launcher that said otherwise is logged (the hosts win: they are what the ranks share)."""
-    found = {"local_rank": lay.local_rank, "local_world_size": lay.local_world_size,
-             "node_rank": lay.node_rank, "num_nodes": lay.num_nodes}
-    changes = {k: v for k, v in found.items() if getattr(env, k) != v}
-    if not changes:
-        return env
-    sources = dict(env.sources)
-    for key, value in changes.items():
-        said = sources.get(key)
-        told = said is not None and said.kind in (Source.VARIABLE, Source.PENDING)
-        (log.warning if told and env.is_main else log.info)(
-            "cpuddp: %s %d from the hosts gathered at init, not %d (%s)", key, value, getattr(env, key), said or "default",
-        )
-        sources[key] = _LAYOUT_SOURCE
-    return env.replace(sources=sources, **changes)
+    return hosts.apply_layout(env, lay, _LAYOUT_SOURCE), lay.local_cpus
 
 
 def _agree_backend(requested: str, env: DistEnv, store: Any, name: str, td: datetime.timedelta,
@@ -401,56 +392,21 @@ def _size_var(env: DistEnv) -> str:
     return said.detail if said is not None and said.from_variable else "WORLD_SIZE"
 
 
-def _form_group(env: DistEnv, backend: str, store: Any, td: datetime.timedelta) -> None:
-    import torch.distributed as dist
-
-    if store is None:
-        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td)
-        return
-    try:
-        dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=td)
-    except Exception as exc:
-        where = f"{env.master_addr}:{env.master_port}"
-        raise RendezvousError(
-            f"rank {env.rank}: forming the {backend} group of {env.world_size} failed: "
-            f"{type(exc).__name__}: {first_line(exc)}",
-            fix=f"every rank reached the rendezvous at {where}, but they could not connect to each other: "
-            "set GLOO_SOCKET_IFNAME to the interface the hosts share, and check firewalls between them",
-        ) from exc
-
-
-def _first_collective(env: DistEnv, backend: str) -> None:
-    """One small all_reduce: a backend that formed a group but cannot communicate (a oneCCL
-    transport that fails to initialise) fails here, with the fix, not in the first step."""
-    if env.world_size == 1:
-        return
-    import torch
-    import torch.distributed as dist
-
-    from cpuddp.backends.failure import explain_collective_failure
-
-    t = torch.ones(1)
-    try:
-        dist.all_reduce(t)
-    except Exception as exc:
-        raise explain_collective_failure(backend, os.environ, exc) from exc
-    if t.item() != env.world_size:
-        raise BackendError(
-            f"rank {env.rank}: the {backend} group's first all_reduce gave {t.item()}, not {env.world_size}",
-            fix="the backend is broken on this machine: pass backend='gloo'",
-        )
-
-
 def shutdown(timeout: float = SHUTDOWN_TIMEOUT) -> None:
     """Destroy the process group (bounded by ``timeout`` seconds), restore pinning and the
     environment variables :func:`init_distributed` exported.
 
     Never hangs: if torch's teardown does not return in time it is abandoned with a warning,
     and a later :func:`init_distributed` in this process says so instead of adopting it.
-    Safe to call when nothing was initialized.
+    Safe to call when nothing was initialized.  In a forked child of a rank (a DataLoader
+    worker, a helper that exits through ``sys.exit``) it only forgets the parent's session:
+    the group, the store and the pinning are the parent's.
     """
     global _current, _undo_log
     with _lock:
+        if _undo_log is not None and _undo_log.pid != os.getpid():
+            _current, _undo_log = None, None
+            return
         from cpuddp.watchdog import monitor as watchdog
 
         watchdog.stop()  # first: it says "done" through the store the group is about to drop
@@ -471,9 +427,9 @@ def _destroy_group(timeout: float) -> None:
         return
     if _abandoned is not None:
         return
-    shm = sys.modules.get("cpuddp.backends.shm.group")
-    if shm is not None:  # peers waiting for this rank learn at once that it left
-        shm.leave_groups()
+    from cpuddp.backends.registry import leave_all
+
+    leave_all()  # peers waiting for this rank (shm) learn at once that it left
     done = threading.Event()
 
     def _destroy() -> None:

@@ -14,8 +14,10 @@ __all__ = [
     "CpuddpError",
     "LauncherEnvError",
     "BackendError",
+    "GroupShutDownError",
     "RendezvousError",
     "PrepareError",
+    "CheckpointError",
     "RankFailedError",
     "first_line",
     "how_it_ended",
@@ -109,12 +111,30 @@ class BackendError(CpuddpError, RuntimeError):
     """The requested collective backend cannot run here (missing, mismatched, unknown)."""
 
 
+class GroupShutDownError(BackendError):
+    """A process group was used after it was shut down (or by a forked child of its rank)."""
+
+
 class RendezvousError(CpuddpError, RuntimeError):
     """Forming the process group failed: port in use, peer missing, address unreachable."""
 
 
 class PrepareError(CpuddpError, RuntimeError):
     """``prepare()`` was asked for something it cannot do (e.g. bf16 on a CPU without it)."""
+
+
+class CheckpointError(CpuddpError, RuntimeError):
+    """A checkpoint cannot be written or read: a wrong argument, an unsafe place, a full disk.
+
+    ``path`` is the file or directory concerned (None for an argument error).
+    """
+
+    def __init__(self, msg: str, *, path: Optional[str] = None, fix: Optional[str] = None) -> None:
+        self.path = path
+        super().__init__(msg, fix=fix)
+
+    def _fields(self) -> dict[str, Any]:
+        return {"path": self.path, "fix": self.fix}
 
 
 class RankFailedError(CpuddpError, RuntimeError):

@@ -7,6 +7,7 @@ Use::
 
     import cpuddp.shm                                # registers "shm" with torch.distributed
     torch.distributed.init_process_group("shm")      # plain torch, no pinning (frameworks: docs/frameworks.md)
+    torch.distributed.init_process_group("shm", pg_options=cpuddp.shm.ShmOptions(inter="ccl"))
 
 Importing this module imports torch and registers the backend with
 ``torch.distributed.Backend`` (idempotent); ``import cpuddp`` alone does not.  The group itself
@@ -14,7 +15,7 @@ and how it works are in :mod:`cpuddp.backends.shm` (docstring of
 :mod:`cpuddp.backends.shm.group`).
 """
 
-from .backends.shm.group import INTER_VAR, NAME, ShmProcessGroup, eligibility, register
-from .backends.shm.path import SUPPORTED_DTYPES
+from .backends.shm.api import INTER_VAR, ShmOptions
+from .backends.shm.group import NAME, ShmProcessGroup, eligibility, register
 
-__all__ = ["NAME", "ShmProcessGroup", "register", "eligibility", "SUPPORTED_DTYPES", "INTER_VAR"]
+__all__ = ["NAME", "ShmProcessGroup", "ShmOptions", "register", "eligibility", "INTER_VAR"]

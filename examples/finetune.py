@@ -1,8 +1,9 @@
 """Train a small BERT-style paraphrase classifier on CPUs with cpuddp: a plain custom loop.
 
-    python -m torch.distributed.run --nproc-per-node 2 examples/finetune.py --bf16   # README's command
-    python examples/finetune.py                                                       # one process
+    python -m torch.distributed.run --nproc-per-node 2 examples/finetune.py   # README's command
+    python examples/finetune.py                                                # one process
     mpiexec -n 2 python examples/finetune.py
+    ... examples/finetune.py --checkpoint-dir ckpt --save-every 100           # stop any time; run again to resume
 
 **What it learns.**  Sentence pairs from ``paraphrase_data.py`` (generated, nothing is
 downloaded): label 1 when sentence 2 says what sentence 1 says in other words (synonyms,
@@ -22,27 +23,35 @@ lets it learn the synonyms in a minute; BERT's own ``[CLS]`` cross-encoder of th
 1200 steps here (85 %).
 
 **Why it is sized so.**  The weights start random (there is no pre-trained checkpoint to
-download), so everything is learned here, on 2 CPU cores, within README's promise of
-150 s for the whole command.  The vocabulary is this generator's 137 words, not BERT's
-30522; pairs are at most 35 tokens, so ``--seq-len`` is 40, not 128; the encoder is one
-layer x 128 hidden (4 heads, FFN 512; 0.29 M parameters): 2 layers learned the task as well
-but took twice as long, and a 2-rank step of this one costs about 60 ms on a 2-vCPU AVX2
-machine.  600 steps of 2 x 32 pairs at lr 2e-3 reach held-out accuracy 1.000 there (the
-loss is below 0.1 by step 180) in about 35 s of training, 54 s for README's whole command:
-a wide margin under the 90 % and 150 s README promises.  Each step draws fresh
-pairs (one pass over ``--num-samples``, so the training loss is measured on unseen pairs
-too), and the held-out pairs come from another seed.  ``--size bench`` builds instead the
-11.2 M-parameter BERT-style cross-encoder (hidden 256, 4 layers, vocabulary 30522) that
-``benchmarks/train_throughput.py`` times against Hugging Face Trainer at ``--seq-len 128``:
-a throughput workload, too slow to learn this task in a demo's time.
+download), so everything is learned in the run, on 2 CPU cores, in well under a minute.
+The vocabulary is this generator's 137 words, not BERT's 30522; pairs are at most 35
+tokens, so ``--seq-len`` is 40, not 128; the encoder is one layer x 128 hidden (4 heads, FFN
+512; 0.29 M parameters): 2 layers learned the task as well but took twice as long.  600
+steps of 2 x 32 pairs at lr 2e-3 reach held-out accuracy 1.000 (the loss is below 0.1 by
+step 180); README gives the time of the whole command and the CPU it was measured on.
+Each step draws fresh pairs (one pass over ``--num-samples``, so the training loss is
+measured on unseen pairs too), and the held-out pairs come from another seed.  ``--size
+bench`` builds instead the 11.2 M-parameter BERT-style cross-encoder (hidden 256, 4 layers,
+vocabulary 30522) that ``benchmarks/train_throughput.py`` times against Hugging Face
+Trainer at ``--seq-len 128``: a throughput workload, too slow to learn this task in a
+demo's time.
 
-What it shows: ``init_distributed`` (launcher, backend, pinning), ``prepare`` (bf16 when the
-CPU has AMX or AVX512-BF16, else fp32 and the reason; fused AdamW; DDP), ``shard``,
-``reduce_mean``, ``Progress`` (rank 0's progress bar, or a line per ``--log-every`` steps
-when stderr is not a terminal) and a final summary (``print0``: rank 0 prints it).
-``--batch-size`` is per rank; samples/s counts every rank's samples and leaves out the
-``--warmup-steps``.  With ``--size bench``, ``--model hf`` builds
-``transformers.BertForSequenceClassification`` instead of the plain-torch ``TinyBert``.  ``--result-json`` writes the numbers as JSON.
+**Precision.**  ``--precision auto`` (the default) lets ``prepare`` time the first 14 steps
+in fp32 and bf16 by turns and keep the faster: on a model this small, bf16's casts cost more
+than its matrix products save (docs/performance.md has the figures and their CPUs), so it
+keeps fp32 there; on a CPU without AMX or AVX512-BF16 it is fp32 without measuring.
+``--precision bf16`` (or ``--bf16``) asks for bf16 and says so when it measured slower.
+
+What it shows: ``init_distributed`` (launcher, backend, pinning), ``prepare`` (the precision,
+fused AdamW, DDP), ``shard``, ``reduce_mean``, ``Progress`` (each rank's CPUs and threads,
+then rank 0's progress bar, or a line per ``--log-every`` steps when stderr is not a
+terminal), ``save_checkpoint``/``load_checkpoint`` with ``--checkpoint-dir`` (a run stopped
+at any point and started again with the same command goes on from its last checkpoint:
+the weights, optimizer, LR schedule, data position and random state) and a final summary
+(``print0``: rank 0 prints it).  ``--batch-size`` is per rank; samples/s counts every rank's
+samples and leaves out the ``--warmup-steps``.  With ``--size bench``, ``--model hf`` builds
+``transformers.BertForSequenceClassification`` instead of the plain-torch ``TinyBert``.
+``--result-json`` writes the numbers as JSON.
 """
 
 from __future__ import annotations
@@ -232,8 +241,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=STEPS, help=f"optimizer steps (default {STEPS})")
     ap.add_argument("--batch-size", type=int, default=BATCH, help=f"pairs per rank per step (default {BATCH})")
-    ap.add_argument("--bf16", action="store_true", help="bf16 autocast (falls back to fp32 on a CPU without bf16)")
-    ap.add_argument("--strict-bf16", action="store_true", help="with --bf16: fail instead of falling back")
+    ap.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="auto",
+                    help="auto (default): the first steps measure fp32 and bf16 and keep the faster; "
+                         "bf16: bf16 autocast (fp32 on a CPU without bf16); fp32")
+    ap.add_argument("--bf16", dest="precision", action="store_const", const="bf16", help="the same as --precision bf16")
+    ap.add_argument("--strict-bf16", action="store_true", help="with --precision bf16: fail instead of falling back")
     ap.add_argument("--lr", type=float, default=LR, help=f"peak learning rate (default {LR:g})")
     ap.add_argument("--seq-len", type=int, default=40, help="tokens per pair, padded (default 40; the longest pair is 35)")
     ap.add_argument("--size", choices=sorted(SIZES), default="small", help="model size (default small; see the doc)")
@@ -251,6 +263,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--log-every", type=int, default=None, help="steps per progress line off a terminal (default steps/10)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save", help="write the trained state dict here (rank 0)")
+    ap.add_argument("--checkpoint-dir", help="resume from the newest checkpoint here, if any, and save checkpoints here")
+    ap.add_argument("--save-every", type=int, default=0, help="with --checkpoint-dir: a checkpoint every N steps "
+                    "(default: only at the end)")
+    ap.add_argument("--stop-after", type=int, default=None, help="stop after this step, as a preempted job would "
+                    "(with --checkpoint-dir: saved there; run again to go on)")
     ap.add_argument("--result-json", help="write the result as JSON here (rank 0)")
     return ap.parse_args(argv)
 
@@ -264,85 +281,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.seq_len > SIZES[args.size]["max_positions"]:
         raise SystemExit(f"--seq-len {args.seq_len} is longer than --size {args.size} allows "
                          f"({SIZES[args.size]['max_positions']} positions); use a shorter one or --size bench")
-
-    model, model_name = build_model(args.model, args.size, seed=args.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    model = cpuddp.prepare(
-        model,
-        optimizer,
-        mixed_precision="bf16" if args.bf16 else None,
-        strict=args.strict_bf16,
-        ipex=False if args.no_ipex else None,
-        compile=args.compile,
-        comm_hook=args.comm_hook,
-    )
+    model, optimizer, model_name = prepared_model(args)
     info = cpuddp.prepared_info(model)
     scheduler = linear_schedule(optimizer, warmup=max(1, args.steps // 10), total=args.steps)
-
     per_step = env.world_size * args.batch_size
-    num_samples = args.num_samples or args.steps * per_step
-    train = build_dataset(num_samples, args.seq_len, seed=args.seed, path=args.data)
-    loader = cpuddp.shard(train, batch_size=args.batch_size, shuffle=True, seed=args.seed, drop_last=True)
-    if len(loader) == 0:
-        raise SystemExit(f"--num-samples {num_samples} gives no full batch of {args.batch_size} per rank")
+    train, loader = training_data(args, per_step)
     warmup = min(5, args.steps // 5) if args.warmup_steps is None else args.warmup_steps
-    precision = info.mixed_precision or "fp32"
+    precision = "auto (measuring)" if "measuring" in info.precision_reason else info.mixed_precision or "fp32"
     nparams = sum(p.numel() for p in cpuddp.unwrap(model).parameters())
     cpuddp.print0(f"{model_name}: {nparams / 1e6:.2f} M parameters | {len(train)} training pairs, "
                   f"{args.steps} steps x {per_step} | {env.world_size} rank(s) x {torch.get_num_threads()} thread(s), "
                   f"launcher {env.launcher}, backend {backend} | precision {precision}"
                   + (", fused AdamW" if info.fused_optimizer else ""))
 
+    start, first_loss = resume(args, model, optimizer, scheduler, loader)
     model.train()
-    batches = iter(loader)
-    first_loss = None
-    with cpuddp.Progress(args.steps, samples_per_step=per_step, every=args.log_every, warmup=warmup) as progress:
-        for step in range(1, args.steps + 1):
-            try:
-                batch = next(batches)
-            except StopIteration:  # another pass: the loader reshuffles by itself
-                batches = iter(loader)
-                batch = next(batches)
-            loss = model(**batch)["loss"]
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            if step in (warmup, args.steps):
-                cpuddp.barrier()  # samples/s from barrier to barrier: every rank's steps are done
-            progress.update(loss=loss.item())
-            if step == progress.every:
-                first_loss = cpuddp.reduce_mean(progress.loss)
+    warmup = min(warmup, max(0, args.steps - start - 1))
+    with cpuddp.Progress(args.steps, start=min(start, args.steps), samples_per_step=per_step, every=args.log_every,
+                         warmup=warmup) as progress:
+        first_loss = train_steps(args, model, optimizer, scheduler, loader, progress, start, warmup, first_loss)
     timed = progress.close()
-    last_loss = cpuddp.reduce_mean(timed.loss)
-
-    accuracy = evaluate(model, args) if args.eval_samples > 0 else None
-    in_sync = replicas_identical(model)
-    wall = time.perf_counter() - _STARTED
     result = {
-        "samples_per_s": timed.samples_per_s,
-        "loss": last_loss,
-        "first_loss": first_loss,
-        "accuracy": accuracy,
-        "replicas_identical": in_sync,
-        "eval_samples": args.eval_samples,
-        "steps": args.steps,
-        "warmup_steps": warmup,
-        "train_seconds": timed.seconds,
-        "wall_seconds": wall,
-        "batch_size_per_rank": args.batch_size,
-        "world_size": env.world_size,
-        "threads_per_rank": torch.get_num_threads(),
-        "backend": backend,
-        "precision": precision,
-        "requested_precision": "bf16" if args.bf16 else "fp32",
-        "precision_reason": info.precision_reason,
-        "path": info.path,
-        "fused_optimizer": info.fused_optimizer,
-        "model": model_name,
-        "launcher": env.launcher,
-        "torch": torch.__version__,
+        "samples_per_s": timed.samples_per_s, "loss": cpuddp.reduce_mean(timed.loss), "first_loss": first_loss,
+        "accuracy": evaluate(model, args) if args.eval_samples > 0 else None,
+        "replicas_identical": replicas_identical(model), "eval_samples": args.eval_samples, "steps": args.steps,
+        "warmup_steps": warmup, "train_seconds": timed.seconds, "wall_seconds": time.perf_counter() - _STARTED,
+        "batch_size_per_rank": args.batch_size, "world_size": env.world_size,
+        "threads_per_rank": torch.get_num_threads(), "backend": backend, "ranks": timed.ranks,
+        "model": model_name, "launcher": env.launcher, "torch": torch.__version__,
+        **precision_result(cpuddp.prepared_info(model), args),  # after "auto"'s trial: what it kept
     }
     if args.save:
         cpuddp.save_state_dict(model, args.save)
@@ -352,6 +319,79 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             json.dump(result, fh, indent=1)
     cpuddp.shutdown()
     return 0
+
+
+def prepared_model(args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer, str]:
+    """The model with random weights, its AdamW, and prepare's result (precision, fusing, DDP)."""
+    model, model_name = build_model(args.model, args.size, seed=args.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    model = cpuddp.prepare(
+        model,
+        optimizer,
+        mixed_precision=None if args.precision == "fp32" else args.precision,
+        strict=args.strict_bf16,
+        ipex=False if args.no_ipex else None,
+        compile=args.compile,
+        comm_hook=args.comm_hook,
+    )
+    return model, optimizer, model_name
+
+
+def training_data(args: argparse.Namespace, per_step: int) -> tuple[Any, Any]:
+    """The training pairs and this rank's shard of them."""
+    num_samples = args.num_samples or args.steps * per_step
+    train = build_dataset(num_samples, args.seq_len, seed=args.seed, path=args.data)
+    loader = cpuddp.shard(train, batch_size=args.batch_size, shuffle=True, seed=args.seed, drop_last=True)
+    if len(loader) == 0:
+        raise SystemExit(f"--num-samples {num_samples} gives no full batch of {args.batch_size} per rank")
+    return train, loader
+
+
+def precision_result(info: Any, args: argparse.Namespace) -> dict:
+    return {"precision": info.mixed_precision or "fp32", "requested_precision": args.precision,
+            "precision_reason": info.precision_reason, "path": info.path, "fused_optimizer": info.fused_optimizer}
+
+
+def resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+           loader: Any) -> tuple[int, Optional[float]]:
+    """With ``--checkpoint-dir``: go on from its newest checkpoint (step 0 when there is none)."""
+    if not args.checkpoint_dir:
+        return 0, None
+    state = cpuddp.load_checkpoint(args.checkpoint_dir, model=model, optimizer=optimizer, scheduler=scheduler,
+                                   loader=loader)
+    if state is None:
+        return 0, None
+    cpuddp.print0(f"resumed from {state.path}: step {state.step} of {args.steps}"
+                  + ("" if state.same_world else f" (saved by {state.saved_world_size} rank(s))"))
+    return state.step, state.extra.get("first_loss")
+
+
+def train_steps(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                loader: Any, progress: Any, start: int, warmup: int, first_loss: Optional[float]) -> Optional[float]:
+    """Steps ``start + 1`` to ``--steps``; a checkpoint every ``--save-every`` steps and at the end."""
+    batches = iter(loader)
+    last = min(args.steps, args.stop_after or args.steps)
+    for step in range(start + 1, last + 1):
+        try:
+            batch = next(batches)
+        except StopIteration:  # another pass: the loader reshuffles by itself
+            batches = iter(loader)
+            batch = next(batches)
+        loss = model(**batch)["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step in (start + warmup, args.steps):
+            cpuddp.barrier()  # samples/s from barrier to barrier: every rank's steps are done
+        progress.update(loss=loss.item())
+        if progress.step - start == progress.every and first_loss is None:
+            first_loss = cpuddp.reduce_mean(progress.loss)
+        if args.checkpoint_dir and ((args.save_every and step % args.save_every == 0) or step == last):
+            cpuddp.save_checkpoint(args.checkpoint_dir, step=step, model=model, optimizer=optimizer,
+                                   scheduler=scheduler, loader=loader, extra={"first_loss": first_loss})
+    return first_loss
 
 
 def summary(r: dict) -> str:
@@ -364,6 +404,7 @@ def summary(r: dict) -> str:
         f"  accuracy {acc} | weights identical on every rank: {'yes' if r['replicas_identical'] else 'NO'}",
         f"  loss {first}{r['loss']:.3f} | {r['samples_per_s']:.0f} samples/s "
         f"({r['world_size']} rank(s) x {r['threads_per_rank']} thread(s), batch {r['batch_size_per_rank']}/rank)",
+        f"  {r['ranks']}",
         f"  backend {r['backend'] or 'none (1 process)'} | launcher {r['launcher']} | precision {r['precision']}: "
         f"{r['precision_reason']}",
     ])

@@ -31,12 +31,14 @@ PUBLIC = {
     "get_rank", "get_world_size", "get_local_rank", "get_local_world_size", "print0", "log0",
     # prepare and the loop helpers
     "prepare", "PrepareInfo", "prepared_info", "unwrap", "shard", "ShardedLoader", "autocast_for",
-    "reduce_mean", "is_main_process", "barrier", "save_state_dict", "load_state_dict", "clip_grad_norm_", "no_sync",
+    "reduce_mean", "is_main_process", "barrier", "save_state_dict", "load_state_dict", "save_checkpoint",
+    "load_checkpoint", "clip_grad_norm_", "no_sync",
     "Progress", "ProgressSummary",
     # backends and pinning
     "available_backends", "register_backend", "PinPlan", "pinned",
     # errors
-    "CpuddpError", "LauncherEnvError", "BackendError", "RendezvousError", "PrepareError", "RankFailedError",
+    "CpuddpError", "LauncherEnvError", "BackendError", "RendezvousError", "PrepareError", "CheckpointError",
+    "RankFailedError",
 }
 
 #: Deprecated top-level aliases (kept one release) and where each now lives.
@@ -100,12 +102,12 @@ SUBMODULES = {
     "cpuddp.topology": {
         "LogicalCpu", "Topology", "read_topology", "synthetic_topology", "cpu_features", "effective_cpu_count",
         "parse_cpulist", "format_cpulist"},
-    "cpuddp.shm": {"NAME", "ShmProcessGroup", "register", "eligibility", "SUPPORTED_DTYPES", "INTER_VAR"},
+    "cpuddp.shm": {"NAME", "ShmProcessGroup", "ShmOptions", "register", "eligibility", "INTER_VAR"},
     "cpuddp.testing": {"run_distributed", "clean_environ", "is_launcher_variable", "LAUNCHER_ENV_PREFIXES",
                        "LAUNCHER_ENV_NAMES"},
     "cpuddp.lightning": {"trainer_strategy", "fabric_strategy", "cluster_environment", "lightning_ranks"},
-    "cpuddp.errors": {"CpuddpError", "LauncherEnvError", "BackendError", "RendezvousError", "PrepareError",
-                      "RankFailedError", "how_it_ended", "first_line"},
+    "cpuddp.errors": {"CpuddpError", "LauncherEnvError", "BackendError", "GroupShutDownError", "RendezvousError",
+                      "PrepareError", "CheckpointError", "RankFailedError", "how_it_ended", "first_line"},
 }
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from cpuddp.backends.shm import check as shm_check
 from cpuddp.backends.auto import RULE, AutoFacts, auto_rule
-from cpuddp.backends.settings import backend_env, shm_env
+from cpuddp.backends.settings import backend_env, shm_options
 from cpuddp.backends.types import BackendChoice
 from cpuddp.backends import resolve_backend
 from cpuddp.launchers.env import DistEnv
@@ -104,20 +104,28 @@ def test_doctor_light_path_agrees_with_init():
         assert (a.name, a.inter, a.reason) == (b.name, b.inter, b.reason)
 
 
-# --------------------------------------------------------------------------- CPUDDP_SHM_INTER
+# --------------------------------------------------------------------------- the shm group's options
 
 
-def test_backend_env_exports_the_leg_unless_the_user_set_it(caplog):
+def test_the_leg_travels_as_group_options_and_the_users_setting_wins(caplog):
+    """The node-to-node leg is a process-group option (ShmOptions), never an exported variable."""
     choice = BackendChoice("shm", "auto", "cpuddp.shm", inter="ccl")
-    assert shm_env(choice, {}) == {"CPUDDP_SHM_INTER": "ccl"}
+    assert shm_options(choice, {}).inter == "ccl"
     with caplog.at_level("INFO", logger="cpuddp.backends"):
-        assert shm_env(choice, {"CPUDDP_SHM_INTER": "gloo"}) == {}
+        assert shm_options(choice, {"CPUDDP_SHM_INTER": "gloo"}).inter == "gloo"
     assert "CPUDDP_SHM_INTER=gloo is your setting and is kept" in caplog.text
-    assert shm_env(BackendChoice("shm", "auto", "cpuddp.shm"), {}) == {}  # one node: no leg
+    assert shm_options(BackendChoice("shm", "auto", "cpuddp.shm"), {}).inter == "gloo"  # one node: no leg
+    opts = shm_options(choice, {}, async_comm=True, local_size=2)
+    assert (opts.async_comm, opts.local_size) == (True, 2)
     env = _env(2, 2)
-    out = backend_env(env, choice, None, {"GLOO_SOCKET_IFNAME": "eth0"})
-    assert out == {"CPUDDP_SHM_INTER": "ccl"}
-    assert "CPUDDP_SHM_INTER" not in backend_env(env, "shm", None, {"GLOO_SOCKET_IFNAME": "eth0"})
+    assert "CPUDDP_SHM_INTER" not in backend_env(env, choice, None, {"GLOO_SOCKET_IFNAME": "eth0"})
+
+
+def test_a_leg_that_is_neither_gloo_nor_ccl_is_a_clear_error():
+    from cpuddp.errors import BackendError
+
+    with pytest.raises(BackendError, match="CPUDDP_SHM_INTER=gloo or CPUDDP_SHM_INTER=ccl"):
+        shm_options(BackendChoice("shm", "auto", "cpuddp.shm", inter="gloo"), {"CPUDDP_SHM_INTER": "mpi"})
 
 
 def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes(monkeypatch):

@@ -191,7 +191,7 @@ def test_arguments_aliases_and_defaults() -> None:
     assert d.check and d.pin and d.ceiling and d.nproc is None and d.min_busbw is None
 
 
-@pytest.mark.parametrize("argv", [["alltoall"], ["allreduce", "-b", "1X"], ["allreduce", "-d", "complex64"]])
+@pytest.mark.parametrize("argv", [["allscatter"], ["allreduce", "-b", "1X"], ["allreduce", "-d", "complex64"]])
 def test_arguments_reject(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         _parse(*argv)

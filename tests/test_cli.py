@@ -65,7 +65,7 @@ def test_help_lists_commands() -> None:
 @pytest.mark.timeout(60)
 def test_usage_errors_exit_2() -> None:
     assert cpuddp(timeout=50).returncode == 2  # no command
-    assert cpuddp("bench", "alltoall", timeout=50).returncode == 2
+    assert cpuddp("bench", "allscatter", timeout=50).returncode == 2
     r = cpuddp("bench", "allreduce", "-b", "1M", "-e", "1K", timeout=50)
     assert r.returncode == 2 and "--min" in r.stderr
 
@@ -125,6 +125,20 @@ def test_bench_min_busbw_sets_exit_code() -> None:
     assert "# Min bus bandwidth" in r.stdout and "FAILED" in r.stdout
     rows = table_rows(r.stdout)
     assert rows and all(x[2] == "bfloat16" and x[3] == "sum" and x[-1] == "0" for x in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("collective", ["reduce", "gather", "scatter", "all_to_all", "barrier"])
+def test_bench_every_other_collective_on_gloo_and_shm_checks_its_result(collective: str) -> None:
+    r = cpuddp("bench", collective, "--nproc", "2", *TINY, "--backend", "gloo,shm", "--rounds", "1",
+               "--no-ceiling", timeout=280)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "# Out of bounds values : 0 OK" in r.stdout, r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line.strip() and not line.startswith(("#", "["))]
+    assert rows, r.stdout
+    if collective == "barrier":  # it moves nothing: one row of size 0
+        assert len(rows) == 1 and rows[0][0] == "0", rows
 
 
 @pytest.mark.timeout(60)
@@ -231,9 +245,10 @@ def test_spawn_timeout_and_success(capfd: pytest.CaptureFixture[str]) -> None:
 def test_doctor_text() -> None:
     r = cpuddp("doctor", env={"OMP_NUM_THREADS": "2"}, timeout=50)
     assert r.returncode == 0, r.stderr
-    for heading in ("Launcher", "Versions", "Backends", "CPU", "Threads", "Pinning plan", "Warnings"):
+    for heading in ("Launcher", "Versions", "Backends", "CPU", "Threads", "A job here", "Warnings"):
         assert f"\n{heading}" in r.stdout, heading
     assert "none (no launcher)" in r.stdout and "OMP_NUM_THREADS=2" in r.stdout
+    assert "\nPinning plan" not in r.stdout  # from a shell: the job's plan, not this 1-process one
 
 
 @pytest.mark.timeout(60)
@@ -255,14 +270,16 @@ def test_doctor_json_and_speed() -> None:
 def test_doctor_under_fake_launcher() -> None:
     # A rank of a 2-node Intel MPI / MPICH job, without MASTER_ADDR.
     env = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
-    r = cpuddp("doctor", "--json", env=env, timeout=50)
+    quiet = cpuddp("doctor", "--json", env=env, timeout=50)
+    assert quiet.returncode == 0 and quiet.stdout == "", quiet.stdout  # rank 2 of 4: rank 0 reports
+    r = cpuddp("doctor", "--json", "--all-ranks", env=env, timeout=50)
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
     la = data["launcher"]
     assert la["ok"] and la["name"] == "hydra" and la["env"]["rank"] == 2 and la["env"]["num_nodes"] == 2
     assert [p["rank"] for p in data["pinning"]["plans"]] == [2, 3]
     assert "master-addr-missing" in [w["code"] for w in data["warnings"]]
-    strict = cpuddp("doctor", "--strict", env=env, timeout=50)
+    strict = cpuddp("doctor", "--strict", "--all-ranks", env=env, timeout=50)
     assert strict.returncode == 3 and "MASTER_ADDR" in strict.stdout
 
 
@@ -271,3 +288,14 @@ def test_doctor_shows_launcher_error() -> None:
     r = cpuddp("doctor", env={"RANK": "1"}, timeout=50)
     assert r.returncode == 0
     assert "no usable launcher environment" in r.stdout and "WORLD_SIZE" in r.stdout
+
+
+@pytest.mark.timeout(120)
+def test_doctor_under_torchrun_prints_one_report_with_every_rank() -> None:
+    """Issue 30: `torchrun ... cpuddp doctor` printed one full report per rank, interleaved."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                        "-m", "cpuddp", "doctor"], env=clean_env(None), cwd=REPO, capture_output=True, text=True,
+                       timeout=100)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count("cpuddp doctor  (") == 1, r.stdout
+    assert "rank 0 of 2" in r.stdout and "Pinning plan: 2 local rank(s) of this node" in r.stdout

@@ -155,7 +155,7 @@ def test_collect_degrades_and_formats(tmp_path: Path) -> None:
     # An empty filesystem root: the CPU section still answers (fallbacks), nothing raises.
     report = collect({"OMP_NUM_THREADS": "1"}, root=str(tmp_path))
     text = format_text(report)
-    for heading in ("Launcher", "Versions", "Backends", "CPU", "Threads", "Pinning plan", "Warnings"):
+    for heading in ("Launcher", "Versions", "Backends", "CPU", "Threads", "A job here", "Warnings"):
         assert heading in text
     json.dumps(report, default=str)
 
@@ -273,3 +273,54 @@ def test_doctor_auto_is_inits_rule_with_and_without_torch() -> None:
 
     if platform.machine() == "x86_64" and len(allowed_cpus()) >= 2:
         assert expected.name == "shm"
+
+
+# --------------------------------------------------------------------------- a job of N ranks, one report
+
+
+def test_from_a_shell_it_shows_what_a_job_of_n_ranks_would_get() -> None:
+    """Issue 30: plain `cpuddp doctor` showed this 1-process plan (gloo, all threads), not a job's."""
+    from cpuddp.affinity.job import plan_run
+    from cpuddp.topology.read import read_topology
+
+    report = collect({}, ranks=2)
+    job = report["job"]
+    assert job["available"] and job["plan"]["world_size"] == 2
+    assert job["plan"] == plan_run(read_topology(), ranks_per_node=2, ranks_source="--ranks").as_dict()
+    text = format_text(report)
+    assert "A job here: the plan `cpuddp run` would use" in text and "\nPinning plan" not in text
+    assert "launch it: cpuddp run --ranks-per-node 2 script.py" in text
+    assert job["backend"]["name"] == report_backend_for_two()
+
+
+def report_backend_for_two() -> str:
+    from cpuddp.backends import registry
+    from cpuddp.launchers.env import DistEnv
+    from cpuddp.launchers.hosts import allowed_cpus
+
+    env = DistEnv(world_size=2, local_world_size=2, launcher="torchrun", agent_store=True)
+    return registry.resolve_backend("auto", env, node_cpus=len(allowed_cpus()), probe_torch=False).name
+
+
+def test_too_many_ranks_name_the_option_and_the_fix() -> None:
+    report = collect({}, ranks=999)
+    assert report["job"]["available"] is False and "--ranks 999 is more ranks" in report["job"]["error"]
+    assert "--ranks" in report["job"]["fix"] and "fix: --ranks" in format_text(report)
+
+
+def test_the_default_job_is_cpuddp_runs_default() -> None:
+    from cpuddp.affinity.job import plan_run
+    from cpuddp.topology.read import read_topology
+
+    assert collect({})["job"]["plan"]["ranks_per_node"] == plan_run(read_topology()).ranks_per_node
+
+
+def test_under_a_launcher_rank_0_shows_every_local_rank_in_a_table() -> None:
+    environ = {"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
+    report = collect(environ)
+    assert "job" not in report
+    text = format_text(report)
+    assert "Pinning plan: 2 local rank(s) of this node" in text
+    table = text.split("Pinning plan: 2 local rank(s) of this node")[1].splitlines()[1:4]
+    assert table[0].split() == ["rank", "local", "CPUs", "threads"]
+    assert [r.split()[:2] for r in table[1:]] == [["0", "0"], ["1", "1"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import subprocess
 import sys
 
@@ -43,7 +44,8 @@ def test_plain_lines_every_n_steps_with_loss_rate_and_eta():
     clock, out = Clock(), io.StringIO()
     p = Progress(10, samples_per_step=64, every=5, warmup=1, enabled=True, stream=out, clock=clock)
     _run(p, clock, [1.0] * 5 + [0.5] * 5)
-    lines = out.getvalue().splitlines()
+    header, *lines = out.getvalue().splitlines()
+    assert re.fullmatch(r"1 rank: rank 0 CPUs? [0-9,-]+ \(\d+ threads?\)", header), header
     # 4 timed steps of 0.5 s after the warm-up step: 64 * 4 / 2 = 128 samples/s; 5 steps left -> 2.5 s
     assert lines == [
         "step  5/10  loss 1.0000  128 samples/s  elapsed 0:02  ETA 0:02",
@@ -57,7 +59,7 @@ def test_default_every_is_a_tenth_and_the_last_step_always_prints():
     p = Progress(25, enabled=True, stream=out, clock=clock)
     assert p.every == 2
     _run(p, clock, [0.7] * 25)
-    lines = out.getvalue().splitlines()
+    lines = out.getvalue().splitlines()[1:]
     assert len(lines) == 13 and lines[-1].startswith("step 25/25")
     assert "steps/s" in lines[-1]  # no samples_per_step: the rate is in steps
 
@@ -68,7 +70,7 @@ def test_terminal_redraws_one_line_in_place_and_ends_it():
     assert p.tty
     _run(p, clock, [0.9, 0.7, 0.5, 0.3])
     text = out.getvalue()
-    assert text.count("\r") == 4 and text.endswith("\n") and text.count("\n") == 1
+    assert text.count("\r") == 4 and text.endswith("\n") and text.count("\n") == 2  # the header, the end
     frames = [f.rstrip("\n") for f in text.split("\r")[1:]]
     assert frames[1].startswith("[##########----------] 2/4  loss 0.8000  16.0 samples/s  ETA 0:01")
     assert frames[-1].startswith("[####################] 4/4  loss 0.4000  16.0 samples/s  took 0:02")
@@ -109,7 +111,7 @@ def test_rate_and_eta_unknown_during_warmup():
     p = Progress(10, samples_per_step=4, every=1, warmup=2, enabled=True, stream=out, clock=clock)
     _run(p, clock, [0.5, 0.5])
     assert math.isnan(p.rate()) and math.isnan(p.eta())
-    assert out.getvalue().splitlines()[0] == "step  1/10  loss 0.5000  elapsed 0:00  ETA ?"
+    assert out.getvalue().splitlines()[1] == "step  1/10  loss 0.5000  elapsed 0:00  ETA ?"
     _run(p, clock, [0.5])
     assert p.rate() == pytest.approx(8.0) and p.eta() == pytest.approx(3.5)
 
@@ -147,8 +149,46 @@ def _ranks_progress() -> tuple[bool, str]:
 
 def test_only_rank_0_writes_in_a_process_group(run_distributed):
     (main0, out0), (main1, out1) = run_distributed(_ranks_progress, 2, timeout=60)
-    assert main0 and out0.count("\n") == 2
+    assert main0 and out0.count("\n") == 3
+    assert out0.startswith("2 rank(s): rank 0 ") and "the others not gathered" in out0.splitlines()[0]
     assert not main1 and out1 == ""
+
+
+def _header_after_prepare() -> str:
+    from torch import nn
+
+    import cpuddp
+
+    cpuddp.prepare(nn.Linear(2, 2))  # wraps in DDP: gathers every rank's CPUs and threads
+    buf = io.StringIO()
+    Progress(2, stream=buf).close()
+    return buf.getvalue()
+
+
+def test_the_header_names_every_rank_once_prepare_has_gathered_them(run_distributed):
+    out0, out1 = run_distributed(_header_after_prepare, 2, timeout=60)
+    assert re.fullmatch(r"2 rank\(s\): rank 0 CPUs? [0-9,-]+ \(1 thread\), rank 1 CPUs? [0-9,-]+ \(1 thread\)\n", out0), out0
+    assert out1 == ""
+
+
+def test_a_resumed_run_counts_on_from_its_start():
+    clock, out = Clock(), io.StringIO()
+    p = Progress(10, start=6, samples_per_step=2, warmup=1, enabled=True, stream=out, clock=clock, header=False)
+    assert p.step == 6 and p.every == 1 and math.isnan(p.rate())
+    _run(p, clock, [0.5] * 4)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("step  7/10") and lines[-1].startswith("step 10/10")
+    assert p.rate() == pytest.approx(4.0)  # after the warm-up step: 3 steps of 0.5 s, 2 samples each
+    with pytest.raises(ValueError, match="start must be an int from 0 to total"):
+        Progress(10, start=11)
+
+
+def test_header_off_or_given():
+    out = io.StringIO()
+    Progress(2, enabled=True, stream=out, header=False).close()
+    assert out.getvalue() == ""
+    Progress(2, enabled=True, stream=out, header="my own line").close()
+    assert out.getvalue() == "my own line\n"
 
 
 @pytest.mark.parametrize("kwargs, word", [({"total": 0}, "total"), ({"total": 5, "every": 0}, "every"),

@@ -68,12 +68,15 @@ def _probe(ns: str, host: str, ports: list[int]) -> dict[int, str]:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("user_ifname", [False, True], ids=["as-cpuddp-sets-it", "user-GLOO_SOCKET_IFNAME-veth"])
-def test_single_node_job_listens_on_loopback_only(two_namespaces, tmp_path, user_ifname):
-    """``user-GLOO_SOCKET_IFNAME-veth`` is the control for the method: a user who points gloo at
-    the veth keeps that choice, and the probe must then reach gloo's ports (not the store)."""
+@pytest.mark.parametrize("backend, user_ifname", [("gloo", False), ("gloo", True), ("auto", False)],
+                         ids=["gloo-as-cpuddp-sets-it", "gloo-user-GLOO_SOCKET_IFNAME-veth", "shm"])
+def test_single_node_job_listens_on_loopback_only(two_namespaces, tmp_path, backend, user_ifname):
+    """``gloo-user-GLOO_SOCKET_IFNAME-veth`` is the control for the method: a user who points gloo
+    at the veth keeps that choice, and the probe must then reach gloo's ports (not the store).
+    On shared memory (auto's choice on one node) nothing but the store listens at all."""
     (ns_a, ns_b), (if_a, _) = two_namespaces
     extra = {"GLOO_SOCKET_IFNAME": if_a} if user_ifname else {}
+    extra["HOLD_BACKEND"] = backend
     common = base_env(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_PORT=str(PORT), CPUDDP_TIMEOUT="30",
                       LISTEN_DIR=str(tmp_path), RELEASE_FILE=str(tmp_path / "release"), **extra)
     ranks = [Job(["ip", "netns", "exec", ns_a, PY, script("hold_group.py")],
@@ -107,7 +110,10 @@ def test_single_node_job_listens_on_loopback_only(two_namespaces, tmp_path, user
     assert not leftovers(common["CPUDDP_TEST_TOKEN"]), report
     assert reached[CONTROL_PORT] == "connected", "the probe cannot reach namespace A at all:\n" + report
     assert PORT in {p for _, p in in_ns}, report  # the rendezvous store is among them
-    assert len(in_ns) >= 3, report  # the store, and each rank's gloo listener
+    if backend == "auto":  # shared memory: no gloo group, so no listener but the store
+        assert {p for _, p in in_ns} == {PORT} and not any(r["listening"] for r in per_rank[1:]), report
+    else:
+        assert len(in_ns) >= 3, report  # the store, and each rank's gloo listener
     if user_ifname:
         gloo = [(h, p) for h, p in in_ns if p != PORT]
         assert gloo and all(h == ADDRS[0] and reached[p] == "connected" for h, p in gloo), report

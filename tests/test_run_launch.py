@@ -72,6 +72,18 @@ def test_ranks_follow_the_plan(tmp_path: Path) -> None:
     assert [r["affinity"] for r in rows] == [[0], [1]] and [r["threads"] for r in rows] == [1, 1], rows
 
 
+@pytest.mark.timeout(200)
+def test_the_printed_command_runs_when_pasted_into_a_shell(tmp_path: Path) -> None:
+    """Issue 30: `cpuddp run --dry-run` printed `'CPUDDP_RANK_CPUS=0;1' torchrun ...`, which bash
+    cannot run (rc 127).  The line it prints now, run by bash, starts the planned job."""
+    dry = _run([*RUN, "--dry-run", "--ranks-per-node", "2", str(RANK_SCRIPT), str(tmp_path)], tmp_path, 60)
+    line = dry.stdout.strip().splitlines()[-1]
+    assert line.startswith(("CPUDDP_RANK_CPUS='0;1' ", "LD_PRELOAD=")), dry.stdout
+    _run(["bash", "-c", line], tmp_path, 180, TEST_TIMEOUT="60")
+    rows = _rows(tmp_path, 2, line)
+    assert [r["affinity_before"] for r in rows] == [[0], [1]], rows  # each rank started on its planned CPU
+
+
 @pytest.mark.timeout(240)
 def test_torchrun_restart_completes(tmp_path: Path) -> None:
     """--max-restarts 1: rank 1 fails on the first attempt; the agent restarts both and the job ends 0."""

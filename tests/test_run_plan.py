@@ -16,8 +16,9 @@ import pytest
 from cpuddp.affinity import plan_for
 from cpuddp.launchers.env import DistEnv
 from cpuddp.run.settings import find_allocator, openmp_runtime, settings_env
-from cpuddp.run.launch import mpi_command, mpi_family, parse_hostfile, srun_command, torchrun_command
-from cpuddp.run.plan import RunPlanError, plan_run, plan_table
+from cpuddp.run.hosts import HostEntry, parse_hostfile, parse_hosts_option, ranks_from_slots
+from cpuddp.run.launch import command_text, mpi_command, mpi_family, srun_command, torchrun_command
+from cpuddp.affinity.job import RunPlanError, plan_run, plan_table
 from cpuddp.topology import format_cpulist, synthetic_topology
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -180,9 +181,53 @@ def test_mpi_family(text, family) -> None:
 
 
 def test_hostfile() -> None:
-    assert parse_hostfile("# nodes\nn1 slots=2\nn2:4\n\nn1\n") == ["n1", "n2"]
+    assert parse_hostfile("# nodes\nn1 slots=2\nn2:4\n\nn1\n") == [HostEntry("n1", 2), HostEntry("n2", 4)]
     with pytest.raises(RunPlanError, match="lists no hosts"):
         parse_hostfile("# empty\n")
+
+
+def test_hostfile_ipv6() -> None:
+    """Issue 30: these three lines were read as hosts `fd00`, `[fd00` and `fe80`."""
+    text = "fd00::2\n[fd00::3]:2\nfe80::1%eth0\n[fe80::2%eth1]:3 # link-local, bracketed\nfd00::4 slots=2 max_slots=4\n"
+    assert parse_hostfile(text) == [HostEntry("fd00::2"), HostEntry("fd00::3", 2), HostEntry("fe80::1%eth0"),
+                                    HostEntry("fe80::2%eth1", 3), HostEntry("fd00::4", 2)]
+    assert parse_hosts_option("n1:2,[fd00::3]:2") == [HostEntry("n1", 2), HostEntry("fd00::3", 2)]
+
+
+@pytest.mark.parametrize("text, match, fix", [
+    ("[fd00::3:2\n", r"line 2: '\[fd00::3:2' is not `\[IPv6 address\]`", "[fd00::3]:2"),
+    ("[node1]:2\n", r"'node1' in brackets is not an IPv6 address", "node1:2"),
+    ("fd00::3:x\n", r"'fd00::3:x' is neither a host name nor an IPv6 address", "[fd00::3]:2"),
+    ("n1:0\n", r"slot count '0' is not a whole number of 1 or more", "node1:2"),
+    ("n1:two\n", r"slot count 'two'", "node1:2"),
+    ("n1 cpus=2\n", r"'cpus=2' in 'n1 cpus=2' is not understood", "node1 slots=2"),
+    (":2\n", r"':2' names no host", "node1:2"),
+])
+def test_hostfile_refusals_name_the_line_and_the_fix(text, match, fix) -> None:
+    with pytest.raises(RunPlanError, match=match) as err:
+        parse_hostfile("n0\n" + text)
+    assert "line 2" in str(err.value) and fix in err.value.fix
+
+
+def test_slot_counts_set_the_ranks_per_node_or_are_refused() -> None:
+    two = [HostEntry("a", 2), HostEntry("b", 2)]
+    assert ranks_from_slots(two, None, "--hostfile h") == 2
+    assert ranks_from_slots(two, 2, "--hostfile h") == 2
+    assert ranks_from_slots([HostEntry("a"), HostEntry("b")], 3, "--hostfile h") == 3
+    with pytest.raises(RunPlanError, match=r"different slot counts \(a:2, b:4\)"):
+        ranks_from_slots([HostEntry("a", 2), HostEntry("b", 4)], None, "--hostfile h")
+    with pytest.raises(RunPlanError, match=r"slot counts for some hosts \(a:2\) but not for b"):
+        ranks_from_slots([HostEntry("a", 2), HostEntry("b")], None, "--hostfile h")
+    with pytest.raises(RunPlanError, match=r"--ranks-per-node 1 contradicts --hostfile h's 2 slot"):
+        ranks_from_slots(two, 1, "--hostfile h")
+
+
+def test_mpi_refuses_an_ipv6_host_it_cannot_parse() -> None:
+    plan = plan_run(SPR_LIKE, nodes=2, hosts=("fd00::2", "fd00::3"))
+    for family in ("mpich", "impi", "openmpi"):
+        with pytest.raises(RunPlanError, match=r"host fd00::2 is an IPv6 address: .* reads `host:slots`") as err:
+            mpi_command(family, "mpiexec", plan, ["fd00::2", "fd00::3"], "t.py", [], python="py")
+        assert "by name" in err.value.fix
 
 
 def test_unknown_and_unreachable_hosts() -> None:
@@ -275,15 +320,12 @@ def test_cli_in_a_slurm_allocation_from_a_login_node() -> None:
 # --------------------------------------------------------------------------- docs/run.md's examples
 
 
-def doc_examples() -> list[str]:
-    """The worked examples of docs/run.md, generated from the planner (the test below checks
-    that the document holds each one verbatim; print them with
-    ``python -c "import sys; sys.path.insert(0, 'tests'); import test_run_plan as t; print(*t.doc_examples(), sep='\\n\\n')"``)."""
-    from cpuddp.run.command import command_text
-
+def doc_launches():
+    """The launches behind docs/run.md's worked examples: ``(flags, host name, plan, launch)``,
+    the four one-node plans, then the two-node plan under srun and each MPI."""
     spr = synthetic_topology(2, 56, 2)  # 2 x 56-core Sapphire Rapids, SMT on, SNC off
     epyc = synthetic_topology(2, 64, 2, numa_per_socket=4)  # 2 x 64-core EPYC, NPS4: 8 NUMA nodes
-    blocks = []
+    out = []
     for name, topo, kwargs, flags in [
         ("spr", spr, {}, ""),
         ("spr", spr, {"ranks_per_node": 4}, "--ranks-per-node 4 "),
@@ -291,15 +333,23 @@ def doc_examples() -> list[str]:
         ("epyc", epyc, {"ranks_per_node": 2}, "--ranks-per-node 2 "),
     ]:
         plan = plan_run(topo, **kwargs)
-        launch = torchrun_command(plan, "train.py", [], python="python")
-        blocks.append(f"$ cpuddp run --dry-run {flags}train.py\n{plan_table(plan, [name])}\n# engine: torchrun\n"
-                      f"{command_text(launch)}")
+        out.append((flags, name, plan, torchrun_command(plan, "train.py", [], python="python")))
     two = plan_run(epyc, nodes=2, hosts=("epyc1", "epyc2"))
-    lines = [command_text(srun_command(two, "train.py", [], threads_per_core=2, python="python"))]
+    out.append(("", None, two, srun_command(two, "train.py", [], threads_per_core=2, python="python")))
     for family, exe in (("impi", "mpiexec"), ("mpich", "mpiexec"), ("openmpi", "mpirun")):
-        lines.append(command_text(mpi_command(family, exe, two, ["epyc1", "epyc2"], "train.py", [],
-                                              threads_per_core=2, python="python")))
-    blocks.append("\n".join(lines))
+        out.append(("", None, two, mpi_command(family, exe, two, ["epyc1", "epyc2"], "train.py", [],
+                                               threads_per_core=2, python="python")))
+    return out
+
+
+def doc_examples() -> list[str]:
+    """The worked examples of docs/run.md, generated from the planner (the test below checks
+    that the document holds each one verbatim; print them with
+    ``python -c "import sys; sys.path.insert(0, 'tests'); import test_run_plan as t; print(*t.doc_examples(), sep='\\n\\n')"``)."""
+    launches = doc_launches()
+    blocks = [f"$ cpuddp run --dry-run {flags}train.py\n{plan_table(plan, [name])}\n# engine: torchrun\n"
+              f"{command_text(launch)}" for flags, name, plan, launch in launches[:4]]
+    blocks.append("\n".join(command_text(launch) for *_, launch in launches[4:]))
     return blocks
 
 
@@ -307,3 +357,65 @@ def test_docs_worked_examples_come_from_the_planner() -> None:
     text = (ROOT / "docs" / "run.md").read_text()
     for block in doc_examples():
         assert block in text, f"docs/run.md lacks this block (regenerate it):\n{block}"
+
+
+_STUB = """#!/bin/sh
+{ printf '%s\\0' "$(basename "$0")" "$@"; } > "$STUB_OUT"
+env -0 > "$STUB_OUT.env"
+"""
+
+
+def _shell_runs(line: str, tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """What the program gets when bash runs ``line``: its argv and environment (the programs
+    on PATH are stubs that record them)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name in ("python", "srun", "mpiexec", "mpirun"):
+        (bin_dir / name).write_text(_STUB)
+        (bin_dir / name).chmod(0o755)
+    out = tmp_path / "argv"
+    res = subprocess.run(["bash", "-c", line], env={"PATH": f"{bin_dir}:/usr/bin:/bin", "STUB_OUT": str(out)},
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, f"bash could not run {line!r}: rc {res.returncode}, {res.stderr}"
+    argv = out.read_bytes().decode().split("\0")[:-1]
+    env = dict(item.split("=", 1) for item in (tmp_path / "argv.env").read_bytes().decode().split("\0") if item)
+    return argv, env
+
+
+def test_every_command_in_docs_run_md_runs_in_a_shell_as_printed(tmp_path) -> None:
+    """Issue 30: `'CPUDDP_RANK_CPUS=0;1' torchrun ...` pasted into bash was `command not found`.
+    Each command docs/run.md shows, run by bash, starts its program with exactly the argv and
+    the variables the launch holds."""
+    text = (ROOT / "docs" / "run.md").read_text()
+    for *_, launch in doc_launches():
+        line = command_text(launch)
+        assert line in text
+        argv, env = _shell_runs(line, tmp_path)
+        assert argv == list(launch.argv), line
+        assert {k: env.get(k) for k in launch.env} == dict(launch.env), line
+
+
+@pytest.mark.parametrize("value", ["0;1", "a b", "it's", "$HOME", "0-3,8-11;4-7", ""])
+def test_command_text_quotes_values_not_assignments(value, tmp_path) -> None:
+    from cpuddp.run.launch import Launch
+
+    launch = Launch("torchrun", ("python", "-m", "x", "arg with space"), {"CPUDDP_RANK_CPUS": value})
+    line = command_text(launch)
+    assert line.startswith("CPUDDP_RANK_CPUS=")
+    argv, env = _shell_runs(line, tmp_path)
+    assert argv == list(launch.argv) and env["CPUDDP_RANK_CPUS"] == value
+
+
+def test_cli_hostfile_slots_set_the_ranks_per_node(tmp_path) -> None:
+    fake = tmp_path / "mpiexec"
+    fake.write_text("#!/bin/sh\necho 'HYDRA build details:'\necho '    Version: 4.3.0'\n")
+    fake.chmod(0o755)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost:1\n")
+    res = _cli("--dry-run", "--no-host-check", "--hostfile", str(hostfile), "--launcher", str(fake), "t.py")
+    assert res.returncode == 0, res.stderr
+    assert "--ranks-per-node" not in res.stdout and "1 rank(s): 1 node(s) x 1" in res.stdout
+    assert " -n 1 -ppn 1 -hosts localhost " in res.stdout
+    hostfile.write_text("fd00::2\n[fd00::3]:2\n")
+    res = _cli("--dry-run", "--no-host-check", "--hostfile", str(hostfile), "--launcher", str(fake), "t.py")
+    assert res.returncode == 2 and "gives slot counts for some hosts (fd00::3:2) but not for fd00::2" in res.stderr

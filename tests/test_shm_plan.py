@@ -1,4 +1,4 @@
-"""cpuddp.backends.shm.segment.plan_node: which ranks share a node, as a pure function of every rank's
+"""cpuddp.backends.shm.node.plan_node: which ranks share a node, as a pure function of every rank's
 ``whoami`` line (host identity, pid, PID namespace, allowed CPUs).  The real groups are in
 tests/test_shm.py."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from cpuddp.backends.shm.segment import plan_node
+from cpuddp.backends.shm.node import check_local_size, plan_node
+from cpuddp.errors import BackendError
 
 
 def who(*rows: str) -> list[list[str]]:
@@ -17,27 +18,39 @@ def test_two_ranks_on_one_host_share_memory():
     w = who("A\t100\tns1\t0", "A\t101\tns1\t1")
     p = plan_node(w, 1)
     assert (p.local, p.local_rank, p.local_size, p.node, p.nodes) == ((0, 1), 1, 2, 0, 1)
-    assert p.peer_pids == {0: 100} and p.spin and p.gloo_only is None
+    assert p.peer_pids == {0: 100} and p.spin and p.whole_gloo is None
 
 
 def test_two_by_two_nodes():
     w = who("A\t1\tn\t0", "B\t2\tm\t0", "A\t3\tn\t1", "B\t4\tm\t1")
     p = plan_node(w, 3)
     assert (p.local, p.local_rank, p.node, p.nodes) == ((1, 3), 1, 1, 2)
-    assert p.peer_pids == {1: 2} and p.gloo_only is None
+    assert p.grid == ((0, 2), (1, 3))  # grid[node][local rank]: the cross groups are its columns
+    assert p.peer_pids == {1: 2} and p.whole_gloo is None
 
 
 @pytest.mark.parametrize(
     "rows, reason",
     [
-        (("A\t1\tn\t0",), "gloo for every collective: one rank per node"),
+        (("A\t1\tn\t0",), None),  # a world of one: every collective is local
         (("A\t1\tn\t0", "B\t2\tn\t0"), "gloo for every collective: one rank per node"),
         (("A\t1\tn\t0", "A\t2\tn\t1", "B\t3\tn\t0"),
          "gloo for every collective: nodes run different numbers of ranks (2, 1)"),
     ],
 )
-def test_gloo_only(rows, reason):
-    assert plan_node(who(*rows), 0).gloo_only == reason
+def test_whole_gloo(rows, reason):
+    assert plan_node(who(*rows), 0).whole_gloo == reason
+
+
+def test_fewer_local_ranks_than_the_launcher_said_is_refused():
+    """A store that hides a local peer would send the node's traffic through gloo's sockets."""
+    p = plan_node(who("A\t1\tn\t0", "B\t2\tn\t1"), 0)  # rank 1 claims another host
+    with pytest.raises(BackendError, match="the launcher says 2 ranks run on this node, but the rendezvous store "
+                                           "shows 1"):
+        check_local_size(p, 2, 0)
+    check_local_size(p, 1, 0)
+    check_local_size(p, None, 0)  # the launcher said nothing
+    check_local_size(plan_node(who("A\t1\tn\t0", "A\t2\tn\t1"), 0), 1, 0)  # more local peers: proved at hand-over
 
 
 def test_no_spin_when_ranks_outnumber_their_cpus_and_no_pids_across_pid_namespaces():

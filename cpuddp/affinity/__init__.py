@@ -1,7 +1,9 @@
 """affinity: which CPUs and how many threads each local rank gets, and applying that.
 
-Owns: the planner, pure (:mod:`.plan`), oneCCL's worker threads (:mod:`.ccl_workers`), and
-applying, reading and restoring a plan in this process (:mod:`.pin`).
+Owns: the planner, pure (:mod:`.plan`), a whole job's plan -- ranks per node, each rank's CPUs
+and threads, as ``cpuddp run`` launches it and ``cpuddp doctor`` shows it -- (:mod:`.job`),
+oneCCL's worker threads (:mod:`.ccl_workers`), and applying, reading and restoring a plan in
+this process (:mod:`.pin`).
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp._package`, :mod:`cpuddp.topology`,
 :mod:`cpuddp.launchers`.
 

@@ -26,11 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["AutoFacts", "AutoDecision", "auto_rule", "inter_leg", "RULE", "INTER_VAR", "AUTO_CHOICES"]
-
-#: The shm group's node-to-node leg, read by :mod:`cpuddp.backends.shm.group` when it forms its
-#: cross-node group.
-INTER_VAR = "CPUDDP_SHM_INTER"
+__all__ = ["AutoFacts", "AutoDecision", "auto_rule", "inter_leg", "RULE", "AUTO_CHOICES"]
 #: The backends "auto" can end on, in the rule's order (docs and error messages list these).
 AUTO_CHOICES = ("shm", "ccl", "gloo", "nccl")
 #: The rule in one sentence (README, backends.md, troubleshooting.md, doctor say the same).

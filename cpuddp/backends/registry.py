@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Tu
 from cpuddp.errors import BackendError
 
 from .auto import AutoFacts, auto_rule, inter_leg
+from .shm import api as shm_api
 from .ccl import ccl_fix, ccl_status
 from .types import (
     BackendChoice,
@@ -77,6 +78,8 @@ __all__ = [
     "load_backend",
     "register_backend",
     "unregister_backend",
+    "leave_all",
+    "abort_all",
 ]
 
 log = logging.getLogger("cpuddp.backends")
@@ -141,6 +144,8 @@ def register_backend(
     probe: Optional[Callable[[Lookups], ProbeResult]] = None,
     description: str = "",
     replace: bool = False,
+    leave: Optional[Callable[[], None]] = None,
+    abort: Optional[Callable[[str], None]] = None,
 ) -> BackendSpec:
     """Add a backend that ``init_distributed(backend=name)`` can use.
 
@@ -150,7 +155,8 @@ def register_backend(
                                 distribution="torch_accl")
 
     ``module`` is imported after torch and must register ``name`` with
-    ``torch.distributed.Backend``.  ``replace=True`` overrides an existing entry.
+    ``torch.distributed.Backend``.  ``replace=True`` overrides an existing entry.  ``leave`` and
+    ``abort``: the backend's lifecycle hooks (:class:`~cpuddp.backends.types.BackendSpec`).
     """
     key = name.strip().lower() if isinstance(name, str) else ""
     if not _NAME.match(key) or key == "auto":
@@ -163,7 +169,8 @@ def register_backend(
     devs = (devices,) if isinstance(devices, str) else tuple(devices)
     if not devs:
         raise ValueError(f"backend {key!r}: devices must name at least one device type, e.g. ('cpu',)")
-    spec = BackendSpec(key, module=module, devices=devs, distribution=distribution, probe=probe, description=description)
+    spec = BackendSpec(key, module=module, devices=devs, distribution=distribution, probe=probe,
+                       description=description, leave=leave, abort=abort)
     BACKENDS[key] = spec
     return spec
 
@@ -171,6 +178,20 @@ def register_backend(
 def unregister_backend(name: str) -> None:
     """Remove a registry entry (no error when absent)."""
     BACKENDS.pop(name.strip().lower(), None)
+
+
+def leave_all() -> None:
+    """Every registered backend's ``leave`` hook (``cpuddp.shutdown``, before torch's teardown)."""
+    for spec in list(BACKENDS.values()):
+        if spec.leave is not None:
+            spec.leave()
+
+
+def abort_all(why: str) -> None:
+    """Every registered backend's ``abort`` hook (the watchdog, when this rank raises)."""
+    for spec in list(BACKENDS.values()):
+        if spec.abort is not None:
+            spec.abort(why)
 
 
 def _shm_probe(lk: Lookups) -> Tuple[bool, str]:
@@ -189,8 +210,10 @@ register_backend("mpi", devices=("cpu", "cuda"),
 register_backend("nccl", devices=("cuda",), probe=_nccl_probe, description="NVIDIA NCCL, for models on CUDA")
 register_backend("accl", module="torch_accl", devices=("cuda",), distribution="torch_accl",
                  description="Alibaba ACCL plug-in (import torch_accl, backend 'accl')")
-register_backend("shm", module="cpuddp.shm", devices=("cpu",), probe=_shm_probe,
-                 description="cpuddp's shared-memory allreduce within a node, gloo for the rest (cpuddp.shm)")
+register_backend("shm", module="cpuddp.shm", devices=("cpu",), probe=_shm_probe, leave=shm_api.leave_all,
+                 abort=shm_api.abort_all,
+                 description="cpuddp's shared-memory collectives within a node, gloo or oneCCL between nodes "
+                             "(cpuddp.shm)")
 
 #: The launcher families that start ranks as MPI processes (the mpi backend needs one).
 _MPI_LAUNCHERS = ("hydra", "openmpi", "pmix", "mvapich", "slurm")

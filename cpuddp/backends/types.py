@@ -92,7 +92,10 @@ class BackendSpec:
     ``name`` with torch; ``devices`` are the tensor devices it serves; ``distribution`` is
     the pip distribution whose version is reported.  ``probe(lookups)`` replaces the
     default check (is ``module`` present?) and returns a bool, ``(bool, reason)`` or a
-    :class:`BackendStatus`.
+    :class:`BackendStatus`.  ``leave()`` and ``abort(why)``, when given, act on the backend's
+    live groups of this process: ``cpuddp.shutdown`` calls every ``leave`` before torch's
+    teardown (peers waiting for this rank can stop at once), the watchdog every ``abort`` when
+    the rank raises (peers stop while this rank reports its error).
     """
 
     name: str
@@ -101,6 +104,8 @@ class BackendSpec:
     distribution: Optional[str] = None
     probe: Optional[Callable[[Lookups], ProbeResult]] = None
     description: str = ""
+    leave: Optional[Callable[[], None]] = None
+    abort: Optional[Callable[[str], None]] = None
 
 
 # --------------------------------------------------------------------------- lookups

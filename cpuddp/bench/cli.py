@@ -10,7 +10,9 @@ Usage::
     cpuddp bench allreduce --nproc 2 --backend gloo,shm   # both in one run, interleaved, with the ratio
 
 Collectives: ``allreduce`` (alias ``all_reduce``), ``all_gather`` (``allgather``),
-``broadcast``, ``reduce_scatter`` (``reducescatter``).
+``broadcast``, ``reduce_scatter`` (``reducescatter``), ``reduce``, ``gather``, ``scatter``
+(root 0), ``all_to_all`` (``alltoall``, the single-tensor form) and ``barrier`` (one row of
+size 0: its time is the point).
 
 Launch: under any launcher each rank calls :func:`cpuddp.init_distributed` (so the
 launcher's variables are read, the backend is chosen and threads pinned as in training).

@@ -63,7 +63,7 @@ def _run_rank(args: argparse.Namespace, env: Any) -> int:
 
     rank, n = dist.get_rank(), dist.get_world_size()
     # torch has only in-place forms of all_reduce and broadcast.
-    args.inplace = bool(args.inplace or args.collective in ("allreduce", "broadcast"))
+    args.inplace = bool(args.inplace or args.collective in ("allreduce", "broadcast", "reduce"))
     meta = _meta(args, env, n)
     if rank == 0:
         for line in report.header_lines(meta):
@@ -261,6 +261,45 @@ def _make_op(collective: str, count: int, dtype: "torch.dtype", inplace: bool, r
         return _Op(lambda: reduce_scatter(res, inp, group=group), fill_scatter, lambda: res,
                    lambda: _summed(count, n)[lo:hi])
 
+    return _rooted_op(collective, count, dtype, rank, n, group)
+
+
+def _rooted_op(collective: str, count: int, dtype: "torch.dtype", rank: int, n: int, group: Any) -> _Op:
+    """reduce, gather, scatter (root 0), all_to_all and barrier."""
+    import torch
+    import torch.distributed as dist
+
+    chunk = count // n
+    if collective == "reduce":
+        buf = torch.zeros(count, dtype=dtype)
+        # only the root's tensor has a defined value afterwards (gloo uses the others' as scratch)
+        return _Op(lambda: dist.reduce(buf, 0, group=group), lambda: buf.copy_(_pattern(count, rank, dtype)),
+                   lambda: buf, lambda: _summed(count, n) if rank == 0 else buf.to(torch.float64))
+    if collective == "gather":
+        mine = torch.zeros(chunk, dtype=dtype)
+        parts = [torch.zeros(chunk, dtype=dtype) for _ in range(n)] if rank == 0 else None
+        return _Op(lambda: dist.gather(mine, parts, 0, group=group), lambda: mine.copy_(_pattern(chunk, rank, dtype)),
+                   lambda: torch.cat(parts) if parts else mine,
+                   lambda: torch.cat([_pattern(chunk, r, torch.float64) for r in range(n)]) if rank == 0
+                   else _pattern(chunk, rank, torch.float64))
+    if collective == "scatter":
+        got = torch.zeros(chunk, dtype=dtype)
+        parts = [_pattern(chunk, r, dtype) for r in range(n)] if rank == 0 else None
+        return _Op(lambda: dist.scatter(got, parts, 0, group=group), lambda: got.fill_(7), lambda: got,
+                   lambda: _pattern(chunk, rank, torch.float64))
+    if collective == "all_to_all":
+        inp, out = torch.zeros(count, dtype=dtype), torch.zeros(count, dtype=dtype)
+
+        def fill_a2a() -> None:
+            inp.copy_(_pattern(count, rank, dtype))
+            out.fill_(7)
+
+        return _Op(lambda: dist.all_to_all_single(out, inp, group=group), fill_a2a, lambda: out,
+                   lambda: torch.cat([_pattern(count, r, torch.float64)[rank * chunk:(rank + 1) * chunk]
+                                      for r in range(n)]))
+    if collective == "barrier":
+        nothing = torch.zeros(0)
+        return _Op(lambda: dist.barrier(group=group), lambda: None, lambda: nothing, lambda: nothing.double())
     raise ValueError(f"unknown collective {collective!r}")
 
 

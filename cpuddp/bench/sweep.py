@@ -2,8 +2,9 @@
 bandwidth factors, result rows, the summary and the exit code.
 
 Columns and factors as in NVIDIA/nccl-tests ``doc/PERFORMANCE.md``: ``algbw = size / time``,
-``busbw = algbw * factor`` with ``2(n-1)/n`` for allreduce, ``(n-1)/n`` for all_gather and
-reduce_scatter, ``1`` for broadcast.
+``busbw = algbw * factor`` with ``2(n-1)/n`` for allreduce, ``(n-1)/n`` for all_gather,
+reduce_scatter, gather, scatter and all_to_all, ``1`` for broadcast and reduce.  A barrier moves
+nothing: one row of size 0, its time the point.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 __all__ = [
     "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_WRONG", "EXIT_BELOW_MIN", "COLLECTIVES", "DTYPES",
-    "Row", "sweep_sizes", "shaped_sizes", "bus_factor", "shape_size", "make_row", "summarize", "exit_code",
+    "SPLIT", "Row", "sweep_sizes", "shaped_sizes", "bus_factor", "shape_size", "make_row", "summarize", "exit_code",
     "backend_row",
 ]
 
@@ -25,7 +26,8 @@ EXIT_WRONG = 3
 EXIT_BELOW_MIN = 4
 
 #: Canonical collective names and their aliases.
-COLLECTIVES = ("allreduce", "all_gather", "broadcast", "reduce_scatter")
+COLLECTIVES = ("allreduce", "all_gather", "broadcast", "reduce_scatter", "reduce", "gather", "scatter",
+               "all_to_all", "barrier")
 ALIASES = {
     "allreduce": "allreduce",
     "all_reduce": "allreduce",
@@ -35,7 +37,15 @@ ALIASES = {
     "bcast": "broadcast",
     "reduce_scatter": "reduce_scatter",
     "reducescatter": "reduce_scatter",
+    "reduce": "reduce",
+    "gather": "gather",
+    "scatter": "scatter",
+    "all_to_all": "all_to_all",
+    "alltoall": "all_to_all",
+    "barrier": "barrier",
 }
+#: Collectives whose size is split among the ranks (a whole number of elements each).
+SPLIT = ("all_gather", "reduce_scatter", "gather", "scatter", "all_to_all")
 
 #: dtype name -> (canonical torch attribute name, itemsize in bytes).
 DTYPES = {
@@ -69,9 +79,9 @@ def bus_factor(collective: str, nranks: int) -> float:
     n = nranks  # a world of one gets factor 1 (busbw = algbw; nccl-tests would print 0)
     if collective == "allreduce":
         return 2.0 * (n - 1) / n if n > 1 else 1.0
-    if collective in ("all_gather", "reduce_scatter"):
+    if collective in SPLIT:
         return (n - 1) / n if n > 1 else 1.0
-    if collective == "broadcast":
+    if collective in ("broadcast", "reduce", "barrier"):
         return 1.0
     raise ValueError(f"unknown collective {collective!r}; choose from {', '.join(COLLECTIVES)}")
 
@@ -79,10 +89,13 @@ def bus_factor(collective: str, nranks: int) -> float:
 def shape_size(size: int, collective: str, nranks: int, itemsize: int) -> tuple[int, int]:
     """Round ``size`` down to what the collective can move: ``(bytes, elements)``.
 
-    all_gather and reduce_scatter need a whole number of elements per rank, so the total is
-    a multiple of ``nranks * itemsize`` (at least one element per rank).
+    all_gather, reduce_scatter, gather, scatter and all_to_all need a whole number of elements
+    per rank, so the total is a multiple of ``nranks * itemsize`` (at least one element per
+    rank).  A barrier moves nothing.
     """
-    unit = itemsize * (nranks if collective in ("all_gather", "reduce_scatter") else 1)
+    if collective == "barrier":
+        return 0, 0
+    unit = itemsize * (nranks if collective in SPLIT else 1)
     nbytes = max(unit, (size // unit) * unit)
     return nbytes, nbytes // itemsize
 
@@ -119,8 +132,8 @@ def make_row(collective: str, nranks: int, nbytes: int, count: int, dtype: str, 
     """Turn a measured time into a row (pure)."""
     algbw = nbytes / 1e9 / seconds if seconds > 0 else 0.0
     busbw = algbw * bus_factor(collective, nranks)
-    redop = "sum" if collective in ("allreduce", "reduce_scatter") else "none"
-    root = 0 if collective == "broadcast" else -1
+    redop = "sum" if collective in ("allreduce", "reduce_scatter", "reduce") else "none"
+    root = 0 if collective in ("broadcast", "reduce", "gather", "scatter") else -1
     return Row(nbytes, count, dtype, redop, root, seconds * 1e6, algbw, busbw, wrong, inplace)
 
 

@@ -233,3 +233,33 @@ def _resolve_host(timeout: float = 0.5) -> dict[str, Any]:
         result["error"] = f"resolving {name!r} took longer than {timeout:g} s (slow DNS?)"
     return result
 
+
+
+def _job(topo: Any, environ: Mapping[str, str], ranks: Optional[int], probe_torch: bool) -> dict[str, Any]:
+    """What a job of ``ranks`` ranks (default: ``cpuddp run``'s choice) would get on this node:
+    ``cpuddp run``'s plan (:func:`cpuddp.affinity.job.plan_run`) and the backend ``"auto"``
+    would pick for it.  For ``cpuddp doctor`` run from a shell, where this process is no job."""
+    from cpuddp.affinity.job import RunPlanError, plan_run, plan_table
+    from cpuddp.backends import registry as backends
+    from cpuddp.launchers.env import DistEnv
+
+    if topo is None:
+        return {"available": False, "error": "no CPU topology (see the CPU section)"}
+    try:
+        plan = plan_run(topo, ranks_per_node=ranks, ranks_source="--ranks",
+                        omp_num_threads=environ.get("OMP_NUM_THREADS"))
+    except RunPlanError as exc:
+        return {"available": False, "error": exc.msg, "fix": (exc.fix or "").replace("--ranks-per-node", "--ranks"),
+                "ranks": ranks}
+    env = DistEnv(world_size=plan.world_size, local_world_size=plan.ranks_per_node, launcher="torchrun",
+                  agent_store=True)
+    out: dict[str, Any] = {"available": True, "ranks": ranks, "plan": plan.as_dict(),
+                           "table": plan_table(plan, [socket.gethostname()]),
+                           "command": "cpuddp run " + (f"--ranks-per-node {ranks} " if ranks else "") + "script.py"}
+    try:
+        choice = backends.resolve_backend("auto", env, node_cpus=len(topo.usable) or None,
+                                          probe_torch=probe_torch or "torch" in sys.modules)
+        out["backend"] = {"name": choice.name, "reason": choice.reason}
+    except Exception as e:  # a backend question must not hide the plan
+        out["backend"] = {"error": f"{type(e).__name__}: {e}"}
+    return out

@@ -6,17 +6,26 @@ Usage::
     cpuddp doctor --json      # the same report as JSON (one object)
     cpuddp doctor --strict    # exit 3 when there is any warning (for CI)
     cpuddp doctor --torch     # also import torch (about 2 s) to probe gloo/mpi/nccl and torch.cpu
-    mpiexec -n 2 cpuddp doctor --json   # what each rank sees under a launcher
+    cpuddp doctor --ranks 4   # from a shell: what a job of 4 ranks would get here
+    torchrun --nproc-per-node 2 -m cpuddp doctor   # under a launcher: one report, from rank 0
+    mpiexec -n 2 cpuddp doctor --all-ranks --json  # every rank's own report
 
 Sections: the launcher and the :class:`~cpuddp.launchers.env.DistEnv` it describes (or the
 :class:`~cpuddp.errors.LauncherEnvError` that explains why there is none); the collective
 backends, with versions and the reason each can or cannot run; whether torch, IPEX and the
 oneCCL bindings' versions match; the CPU model and features (AVX-512, AVX512-BF16, AMX);
 sockets, cores, threads, the allowed CPU set and the cgroup quota; the thread variables;
-the pinning plan cpuddp would apply for each local rank; the host's name resolution and the
+the pinning plan cpuddp would apply for each local rank of this node, as a table; from a
+shell (no launcher), what a job here would get instead -- the plan ``cpuddp run`` would use
+(:func:`cpuddp.affinity.job.plan_run`: by default one rank per NUMA node, ``--ranks N`` for
+N) with each rank's CPUs and threads, and the backend ``"auto"`` would pick for it; the host's name resolution and the
 ``GLOO_SOCKET_IFNAME`` cpuddp would export; and warnings (oversubscription, a conflicting
 ``OMP_NUM_THREADS``, a hostname resolving to loopback in a multi-node job, a missing
 ``MASTER_ADDR``, IPEX or bindings built for another torch, and the pinning planner's own).
+
+Under a launcher with two or more ranks, only global rank 0 prints: one report, its pinning
+table covering every local rank of its node (each computed as that rank's
+``init_distributed()`` computes it).  ``--all-ranks`` has every rank print its own, as before.
 
 It is fast (well under two seconds; about 0.1 s of work) because it never imports torch,
 IPEX, the oneCCL bindings, mpi4py or py-cpuinfo: versions come from ``importlib.metadata``,
@@ -47,6 +56,7 @@ from .collect import (
     _ccl_verdict,
     _cpu,
     _gloo_ifname,
+    _job,
     _launcher,
     _plans,
     _resolve_host,
@@ -90,7 +100,8 @@ def _versions() -> dict[str, Any]:
 # --------------------------------------------------------------------------- the report
 
 
-def collect(environ: Optional[Mapping[str, str]] = None, *, root: str = "/", probe_torch: bool = False) -> dict[str, Any]:
+def collect(environ: Optional[Mapping[str, str]] = None, *, root: str = "/", probe_torch: bool = False,
+            ranks: Optional[int] = None) -> dict[str, Any]:
     """Everything ``cpuddp doctor`` reports, as plain data (reads only).
 
     Imports no torch unless ``probe_torch`` (then torch's backends and CPU probes are checked
@@ -117,6 +128,8 @@ def collect(environ: Optional[Mapping[str, str]] = None, *, root: str = "/", pro
     auto = backends.get("auto") if isinstance(backends, dict) else None
     chosen = auto.get("name") if isinstance(auto, dict) else None
     report["pinning"] = _section(lambda: _plans(env, topo, environ, chosen))
+    if env is None or (env.launcher == "none" and env.world_size == 1) or ranks is not None:
+        report["job"] = _section(lambda: _job(topo, environ, ranks, probe_torch))
     report["host"] = _resolve_host()
     report["network"] = _section(lambda: _gloo_ifname(env, environ))
     report["warnings"] = _warnings(report, environ)
@@ -143,6 +156,15 @@ def _warnings(report: Mapping[str, Any], environ: Mapping[str, str]) -> list[dic
     return out
 
 
+def _quiet_rank(environ: Mapping[str, str]) -> bool:
+    """Under a launcher with 2+ ranks, every rank but global rank 0 stays quiet (one report)."""
+    try:
+        _, env = _launcher(environ)
+    except Exception:  # no verdict: every rank reports, as the launcher section will say why
+        return False
+    return env is not None and env.world_size > 1 and env.rank != 0
+
+
 # --------------------------------------------------------------------------- entry points
 
 
@@ -152,11 +174,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict", action="store_true", help="exit 3 when there are warnings")
     p.add_argument("--torch", dest="probe_torch", action="store_true",
                    help="also import torch (about 2 s) to probe its built-in backends, threads and CPU checks")
+    p.add_argument("--ranks", type=int, metavar="N", help="what a job of N ranks per node would get here "
+                   "(default from a shell: the plan `cpuddp run` would use)")
+    p.add_argument("--all-ranks", action="store_true", help="under a launcher: every rank prints its own report "
+                   "(default: rank 0 only, with a table of every local rank)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Print the report; return the exit code."""
-    report = collect(probe_torch=args.probe_torch)
+    if getattr(args, "ranks", None) is not None and args.ranks < 1:
+        sys.stderr.write(f"cpuddp doctor: error: --ranks {args.ranks}: must be at least 1\nFix: --ranks 2, say\n")
+        return 2
+    if not getattr(args, "all_ranks", False) and _quiet_rank(os.environ):
+        return 0
+    report = collect(probe_torch=args.probe_torch, ranks=getattr(args, "ranks", None))
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")
     else:

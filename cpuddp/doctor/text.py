@@ -35,7 +35,8 @@ def format_text(report: Mapping[str, Any]) -> str:
     if report.get("torch") is not None:
         add("")
         _torch(report, add)
-    for section in (_threads, _pinning, _host, _warnings):
+    shell = report.get("job") is not None and (report.get("launcher") or {}).get("name") == "none"
+    for section in (_threads, _job if shell else _pinning, _host, _warnings):
         add("")
         section(report, add)
     add("")
@@ -159,14 +160,42 @@ def _threads(report: Mapping[str, Any], add: Callable[[str], None]) -> None:
 
 
 def _pinning(report: Mapping[str, Any], add: Callable[[str], None]) -> None:
-    """The plan cpuddp would apply for each local rank."""
+    """The plan cpuddp would apply for each local rank of this node: a table, then rank 0's
+    exports and reason (the other ranks' differ only in their CPUs and thread counts)."""
     p = report.get("pinning") or {}
-    add("Pinning plan" + (f" (backend {p['backend']})" if p.get("backend") else ""))
+    items = [i for i in p.get("plans", []) if isinstance(i.get("plan"), Mapping)] if not _na(p) else []
+    add(f"Pinning plan: {len(items)} local rank(s) of this node" + (f", backend {p['backend']}" if p.get("backend")
+                                                                     else ""))
     if _na(p):
         add(f"  {_na(p)}")
-    else:
-        for item in p.get("plans", []):
-            add(f"  local rank {item['local_rank']} (rank {item['rank']}): {_plan_line(item['plan'])}")
+        return
+    rows = [("rank", "local", "CPUs", "threads")]
+    rows += [(str(i["rank"]), str(i["local_rank"]), i["plan"].get("cpulist") or "-", str(i["plan"].get("num_threads")))
+             for i in items]
+    _table(rows, add)
+    if items:
+        add(f"  local rank {items[0]['local_rank']}: {_plan_line(items[0]['plan'])}")
+
+
+def _table(rows: list[tuple[str, ...]], add: Callable[[str], None]) -> None:
+    widths = [max(len(r[k]) for r in rows) for k in range(len(rows[0]))]
+    for r in rows:
+        add("  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
+
+
+def _job(report: Mapping[str, Any], add: Callable[[str], None]) -> None:
+    """From a shell: what a job here would get (the plan ``cpuddp run`` would use)."""
+    j = report.get("job") or {}
+    add("A job here: the plan `cpuddp run` would use" + ("" if j.get("ranks") else
+                                                         " (--ranks N for another rank count)"))
+    if _na(j):
+        add(f"  {_na(j)}" + (f"\n  fix: {j['fix']}" if j.get("fix") else ""))
+        return
+    for line in str(j.get("table", "")).splitlines():
+        add(f"  {line}")
+    b = j.get("backend") or {}
+    add(f"  backend: auto -> {b['name']} ({b.get('reason')})" if b.get("name") else f"  backend: {b.get('error')}")
+    add(f"  launch it: {j.get('command')}  (--dry-run prints the exact command)")
 
 
 def _host(report: Mapping[str, Any], add: Callable[[str], None]) -> None:

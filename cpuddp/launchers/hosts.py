@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ from typing import Any, Callable, Optional, Sequence
 from cpuddp.errors import RendezvousError
 
 from . import store_values
+from .env import DistEnv, Provenance, Source
+
+log = logging.getLogger("cpuddp")
 
 __all__ = [
     "host_identity",
@@ -303,3 +307,40 @@ def gather_hosts(store: Any, name: str, mine: HostRecord, world_size: int,
     records = [parse_record(_key(name, r), v, r, world_size) for r, v in enumerate(values)]
     check_records(records, world_size)
     return records
+
+
+def launcher_local_size(env: DistEnv) -> Optional[int]:
+    """The ranks on this node as the launcher's own variable says (None when none said it)."""
+    said = env.sources.get("local_world_size")
+    return env.local_world_size if said is not None and said.kind is Source.VARIABLE else None
+
+
+def apply_layout(env: DistEnv, lay: Layout, source: Provenance) -> DistEnv:
+    """``env`` with local rank, local size, node rank and node count from the hosts gathered
+    (the hosts win: they are what the ranks share); a launcher that said otherwise is logged.
+
+    Fewer ranks on this host than the launcher's own variable says is refused: the host records
+    come from the job's store, which any local user can write, and believing it would send this
+    node's traffic through gloo's sockets, which any local user can reach (docs/security.md)."""
+    said = launcher_local_size(env)
+    if said is not None and lay.local_world_size < said:
+        var = env.sources["local_world_size"].detail
+        raise RendezvousError(
+            f"rank {env.rank}: {var}={said} says {said} ranks run on this node, but the host records in the "
+            f"rendezvous store show {lay.local_world_size}: something else writes to this job's store",
+            fix="give the job a store only it uses (its own MASTER_PORT), and see docs/security.md; if the launcher "
+                f"is wrong, fix {var}")
+    found = {"local_rank": lay.local_rank, "local_world_size": lay.local_world_size,
+             "node_rank": lay.node_rank, "num_nodes": lay.num_nodes}
+    changes = {k: v for k, v in found.items() if getattr(env, k) != v}
+    if not changes:
+        return env
+    sources = dict(env.sources)
+    for key, value in changes.items():
+        told = sources.get(key)
+        loud = told is not None and told.kind in (Source.VARIABLE, Source.PENDING)
+        (log.warning if loud and env.is_main else log.info)(
+            "cpuddp: %s %d from the hosts gathered at init, not %d (%s)", key, value, getattr(env, key),
+            told or "default")
+        sources[key] = source
+    return env.replace(sources=sources, **changes)

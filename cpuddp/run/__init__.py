@@ -1,8 +1,10 @@
 """run: ``cpuddp run``, size, pin and launch a training job.
 
-Owns: the command (:mod:`.command`), the plan of ranks and CPUs, pure (:mod:`.plan`), the
-runtime settings each rank gets (:mod:`.settings`), the launcher command line (:mod:`.launch`)
-and the rank side (:mod:`.rank`, run as ``python -m cpuddp.run.rank`` under torchrun).
+Owns: the command (:mod:`.command`), the host lists (:mod:`.hosts`), the runtime settings
+each rank gets (:mod:`.settings`), the launcher command line and the shell line that runs it
+(:mod:`.launch`) and the rank side (:mod:`.rank`, run as ``python -m cpuddp.run.rank`` under
+torchrun).  The plan of ranks and CPUs is :mod:`cpuddp.affinity.job` (``cpuddp doctor``
+shows it too).
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp.topology`, :mod:`cpuddp.launchers`,
 :mod:`cpuddp.affinity`.
 """

@@ -10,7 +10,7 @@ Usage::
     cpuddp run --dry-run ...                               # print the plan and the command only
 
 It reads the node's topology (:mod:`cpuddp.topology`), plans the ranks
-(:func:`cpuddp.run.plan.plan_run`: ranks per node, each rank's CPUs and threads), picks the
+(:func:`cpuddp.affinity.job.plan_run`: ranks per node, each rank's CPUs and threads), picks the
 engine that is there (:mod:`cpuddp.run.launch`: torchrun's elastic agent on one node, srun in
 a Slurm allocation, the MPI launcher for a host list), adds the runtime settings
 (:mod:`cpuddp.run.settings`), prints the plan as a table and the exact command, then replaces
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shlex
 import shutil
 import socket
 import subprocess
@@ -38,8 +37,9 @@ from typing import Mapping, Optional, Sequence
 from cpuddp.topology.model import Topology, synthetic_topology
 from cpuddp.topology.read import read_topology
 
-from .launch import MPI_NAMES, Launch, mpi_command, mpi_family, parse_hostfile, srun_command, torchrun_command
-from .plan import RunPlan, RunPlanError, plan_run, plan_table
+from .hosts import HostEntry, parse_hostfile, parse_hosts_option, ranks_from_slots
+from .launch import MPI_NAMES, Launch, command_text, mpi_command, mpi_family, srun_command, torchrun_command
+from cpuddp.affinity.job import RunPlan, RunPlanError, plan_run, plan_table
 from .settings import DEFAULTS, find_allocator, openmp_runtime, settings_env
 
 __all__ = ["add_arguments", "run", "prepare_job"]
@@ -53,8 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     size.add_argument("--ranks-per-node", type=int, metavar="N", help="ranks on each node")
     size.add_argument("--cores-per-rank", type=int, metavar="C", help="physical cores per rank (must divide the node's)")
     where = p.add_argument_group("where (default: this node; in a Slurm allocation: srun over it)")
-    where.add_argument("--hosts", metavar="H1,H2", help="comma-separated hosts: started with the installed MPI launcher")
-    where.add_argument("--hostfile", metavar="FILE", help="one host per line (host, host:N or host slots=N)")
+    where.add_argument("--hosts", metavar="H1,H2", help="comma-separated hosts (host or host:N): started with the "
+                       "installed MPI launcher")
+    where.add_argument("--hostfile", metavar="FILE", help="one host per line: host, host:N, host slots=N, fd00::2, "
+                       "[fd00::3]:N, fe80::1%%eth0; N (the same for every host) sets the ranks per node")
     where.add_argument("--launcher", metavar="PATH", help="the mpiexec/mpirun for --hosts (default $CPUDDP_MPIEXEC, else PATH)")
     where.add_argument("--no-host-check", action="store_true", help="skip resolving the hosts and probing their ssh port")
     where.add_argument("--max-restarts", type=int, default=0, metavar="R", help="one node: torchrun's --max-restarts (default 0)")
@@ -71,21 +73,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # --------------------------------------------------------------------------- gathering
 
 
-def _hosts(args: argparse.Namespace) -> list[str]:
+def _host_entries(args: argparse.Namespace) -> tuple[list[HostEntry], str]:
+    """The host list of ``--hosts`` or ``--hostfile`` (:mod:`cpuddp.run.hosts`), and its source."""
     if args.hosts and args.hostfile:
         raise RunPlanError(f"--hosts {args.hosts} and --hostfile {args.hostfile} both given", fix="give one of them")
     if args.hostfile:
         try:
             with open(args.hostfile, encoding="utf-8") as fh:
-                return parse_hostfile(fh.read(), f"--hostfile {args.hostfile}")
+                text = fh.read()
         except OSError as exc:
             raise RunPlanError(f"--hostfile {args.hostfile}: {exc.strerror}", fix="the path of a readable hostfile") from None
+        return parse_hostfile(text, f"--hostfile {args.hostfile}"), f"--hostfile {args.hostfile}"
     if args.hosts:
-        hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
-        if not hosts:
-            raise RunPlanError(f"--hosts {args.hosts!r} names no host", fix="--hosts node1,node2")
-        return list(dict.fromkeys(hosts))
-    return []
+        return parse_hosts_option(args.hosts), f"--hosts {args.hosts}"
+    return [], ""
+
+
+def _hosts(args: argparse.Namespace) -> tuple[list[str], Optional[int], str]:
+    """The host names, the ranks per node (``--ranks-per-node``, or the list's slot counts) and
+    what set them."""
+    entries, source = _host_entries(args)
+    ranks = ranks_from_slots(entries, args.ranks_per_node, source)
+    if ranks is None or args.ranks_per_node is not None:
+        return [e.host for e in entries], ranks, "--ranks-per-node"
+    if args.cores_per_rank is not None:
+        raise RunPlanError(f"{source} gives {ranks} slot(s) per host and --cores-per-rank {args.cores_per_rank} "
+                           "is given too", fix="drop the slot counts or --cores-per-rank")
+    return [e.host for e in entries], ranks, f"the slot count of {source}:"
 
 
 def _slurm_node(environ: Mapping[str, str]) -> tuple[Topology, int, Optional[int], bool]:
@@ -162,13 +176,14 @@ def check_hosts(hosts: Sequence[str], resolve=socket.getaddrinfo, connect=socket
 
 def prepare_job(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[RunPlan, Launch, list[str], list[str]]:
     """The plan, the launch, the host names and notes for ``args``; raises :class:`RunPlanError`."""
-    hosts = _hosts(args)
+    hosts, ranks_per_node, ranks_source = _hosts(args)
     in_slurm = bool(environ.get("SLURM_JOB_ID")) and not hosts
     if in_slurm:
         topo, nodes, cpt, known = _slurm_node(environ)
     else:
         topo, nodes, cpt, known = read_topology(), max(1, len(hosts)), None, True
-    plan = plan_run(topo, nodes=nodes, ranks_per_node=args.ranks_per_node, cores_per_rank=args.cores_per_rank,
+    plan = plan_run(topo, nodes=nodes, ranks_per_node=ranks_per_node, ranks_source=ranks_source,
+                    cores_per_rank=args.cores_per_rank,
                     slurm_cpus_per_task=cpt, omp_num_threads=environ.get("OMP_NUM_THREADS"), cpus_known=known,
                     hosts=hosts)
     tpc = max(1, len(topo.usable) // max(1, len(topo.cores())))
@@ -193,11 +208,6 @@ def prepare_job(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[R
         launch = torchrun_command(plan, args.script, args.args, max_restarts=args.max_restarts, settings=settings)
     names = hosts or ([f"slurm node {i}" for i in range(nodes)] if in_slurm else [socket.gethostname()])
     return plan, launch, names, notes
-
-
-def command_text(launch: Launch) -> str:
-    """The command as a shell line: added variables first, then the argv."""
-    return shlex.join([*(f"{k}={v}" for k, v in launch.env.items()), *launch.argv])
 
 
 def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> int:

@@ -20,13 +20,16 @@ the launcher's version text); :mod:`cpuddp.run` gathers the data and starts the 
 
 from __future__ import annotations
 
+import shlex
 import sys
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from .plan import RunPlan, RunPlanError
+from cpuddp.affinity.job import RunPlan, RunPlanError
 
-__all__ = ["Launch", "mpi_family", "parse_hostfile", "torchrun_command", "srun_command", "mpi_command",
+from .hosts import is_ipv6
+
+__all__ = ["Launch", "mpi_family", "command_text", "torchrun_command", "srun_command", "mpi_command",
            "MPI_NAMES"]
 
 #: The MPI families cpuddp run drives, as the table and errors name them.
@@ -54,23 +57,14 @@ def mpi_family(version_text: str) -> Optional[str]:
     return None
 
 
-def parse_hostfile(text: str, source: str = "--hostfile") -> list[str]:
-    """Host names from a hostfile: one per line; ``host``, ``host:N``, ``host slots=N`` (Open MPI)
-    all give ``host``; ``#`` comments and blank lines are skipped; duplicates are dropped."""
-    hosts: list[str] = []
-    for n, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        host = line.split()[0].split(":")[0]
-        if not host:
-            raise RunPlanError(f"{source} line {n}: {line!r} names no host",
-                               fix="one host per line: `node1`, `node1:2` or `node1 slots=2`")
-        if host not in hosts:
-            hosts.append(host)
-    if not hosts:
-        raise RunPlanError(f"{source} lists no hosts", fix="one host name per line")
-    return hosts
+def command_text(launch: Launch) -> str:
+    """The command as a shell line that runs it: ``NAME=value`` assignments first (each value
+    quoted, never the whole assignment: a quoted assignment is a command name to a shell,
+    ``'CPUDDP_RANK_CPUS=0;1'``), then the argv, each word quoted where a shell needs it."""
+    for name in launch.env:
+        if not name.isidentifier():
+            raise RunPlanError(f"variable name {name!r} cannot be set on a shell line", fix="a name of letters, digits and _")
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in launch.env.items()), shlex.join(launch.argv)])
 
 
 def _rank_argv(script: str, args: Sequence[str], python: str) -> list[str]:
@@ -109,6 +103,11 @@ def mpi_command(family: str, launcher: str, plan: RunPlan, hosts: Sequence[str],
     """A host list: the MPI launcher's own per-node count and binding flags; ``MASTER_ADDR`` is
     the first host when there are several (the rank-0 store's address, whatever the MPI)."""
     P, W, C = plan.ranks_per_node, plan.world_size, plan.cores_per_rank
+    literal = [h for h in hosts if is_ipv6(h)]
+    if literal:
+        raise RunPlanError(f"host {literal[0]} is an IPv6 address: {MPI_NAMES.get(family, family)} reads `host:slots` in "
+                           "its host list and cannot take one", fix="give that host by name (DNS or /etc/hosts); "
+                           "cpuddp's own rendezvous takes IPv6 (MASTER_ADDR=fd00::2)")
     env = {**settings, "OMP_NUM_THREADS": str(plan.threads)}
     if len(hosts) > 1:  # the store's host: the first host holds rank 0 (docs/launchers.md)
         env["MASTER_ADDR"] = hosts[0]

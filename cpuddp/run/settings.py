@@ -1,8 +1,8 @@
 """``cpuddp run``'s runtime settings: a faster allocator and OpenMP settings that match the plan.
 
-Each has an off switch and a default set by ``benchmarks/run_settings.py`` on this project's
-machine (docs/performance.md, "cpuddp run's runtime settings"): on by default only where it
-measured a gain.
+Each has an off switch and a default set by ``benchmarks/run_settings.py`` on a 2-vCPU AMD
+EPYC with AVX2, no AVX-512 (docs/performance.md, "cpuddp run's runtime settings"): on by
+default only where it measured a gain.
 
 - ``--allocator {auto,jemalloc,tcmalloc,none}``: ``LD_PRELOAD`` of a system tcmalloc
   (Debian's ``libtcmalloc-minimal4``) or jemalloc (``libjemalloc2``), found in the usual
@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Mapping, Optional
 
 from cpuddp.affinity.plan import KMP_AFFINITY, KMP_BLOCKTIME
 
-from .plan import RunPlanError
+from cpuddp.affinity.job import RunPlanError
 
 __all__ = ["ALLOCATORS", "AUTO_ALLOCATORS", "LIB_DIRS", "DEFAULTS", "find_allocator", "openmp_runtime", "settings_env"]
 

@@ -4,8 +4,11 @@ Owns: :func:`cpuddp.prepare` and its steps (:mod:`.prepare`; precision :mod:`.pr
 optimizer :mod:`.optim`, gradient communication :mod:`.comm`, IPEX :mod:`.ipex`; sharding
 :mod:`.shard` (FSDP2) and :mod:`.zero` (``shard="optimizer"``)), the gradient helpers for every
 mode (:mod:`.grads`: ``clip_grad_norm_``, ``no_sync``), the loop
-helpers (:mod:`.loop`: sharding, autocast, metrics, rank-0 I/O; checkpoints :mod:`.checkpoint`)
-and :class:`cpuddp.Progress` (:mod:`.progress`).
-May import: :mod:`cpuddp.errors`, :mod:`cpuddp._compat`, :mod:`cpuddp.topology`,
-:mod:`cpuddp.affinity`, :mod:`cpuddp.ranks`.
+helpers (:mod:`.loop`: autocast, metrics, the model's state dict; sharding data and its
+position :mod:`.data`), checkpoints (a file written atomically :mod:`.checkpoint`, a
+directory :mod:`.ckpt_dirs`, safe places and full disks :mod:`.paths`, rank 0's I/O
+:mod:`.rank0`), the training checkpoint (:mod:`.resume`, :mod:`.resume_io`, random state
+:mod:`.rng`) and :class:`cpuddp.Progress` (:mod:`.progress`).
+May import: :mod:`cpuddp.errors`, :mod:`cpuddp._compat`, :mod:`cpuddp._units`,
+:mod:`cpuddp._package`, :mod:`cpuddp.topology`, :mod:`cpuddp.affinity`, :mod:`cpuddp.ranks`.
 """

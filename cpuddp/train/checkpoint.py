@@ -12,6 +12,13 @@ certainly a dead save's: a regular file named ``.cpuddp-*.pt``, owned by this us
 process holds locked.  Every writer holds an exclusive ``flock`` on its temporary file from
 creation to rename, and the kernel drops the lock when its process dies, so a save in flight
 (this job's or another's, in another PID namespace too) is never touched.
+
+Before anything is written, the directory is checked (:func:`cpuddp.train.paths.check_directory`:
+refused when another user could change it) and created ``0700`` when missing.  A full disk
+(``ENOSPC``, ``EDQUOT``) -- seen before writing when the file system reports less room than
+the checkpoint needs, or while writing -- is a :class:`~cpuddp.errors.CheckpointError` saying
+"no space left" with the path and the size (torch's own message, ``unexpected pos 832 vs
+726``, names neither).
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ import os
 import re
 import stat
 import tempfile
-from typing import BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Optional
 
-__all__ = ["write_atomically", "remove_leftovers", "is_temp_name", "TEMP_PREFIX", "TEMP_SUFFIX"]
+from .paths import check_directory, check_free_space, is_space_error, make_private_dirs, space_error
+
+__all__ = ["write_atomically", "remove_leftovers", "is_temp_name", "fsync_directory", "TEMP_PREFIX", "TEMP_SUFFIX"]
 
 TEMP_PREFIX = ".cpuddp-"
 TEMP_SUFFIX = ".pt"
@@ -56,7 +65,7 @@ def _open_locked_temp(directory: str, target: str) -> tuple[int, str]:
     raise OSError(errno.EAGAIN, f"could not keep a temporary file in {directory!r} (something removes them)")
 
 
-def _fsync_directory(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
     """Make a rename in ``directory`` durable.  File systems that cannot fsync a directory
     (EINVAL/ENOTSUP) are skipped; a real I/O error is raised."""
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -69,23 +78,63 @@ def _fsync_directory(directory: str) -> None:
         os.close(dfd)
 
 
-def write_atomically(path: str, write: Callable[[BinaryIO], None]) -> None:
+class _Counting:
+    """A file wrapper that counts the bytes written and keeps the ``OSError`` a write raised
+    (torch's writer replaces it with a message that names neither the errno nor the path)."""
+
+    def __init__(self, f: BinaryIO) -> None:
+        self._f = f
+        self.written = 0
+        self.error: Optional[OSError] = None
+
+    def write(self, data: Any) -> int:
+        try:
+            n = self._f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+        self.written += len(memoryview(data).cast("B")) if n is None else n
+        return n if n is not None else 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def _space_cause(exc: BaseException, counter: _Counting) -> Optional[OSError]:
+    if counter.error is not None and is_space_error(counter.error):
+        return counter.error
+    return exc if is_space_error(exc) else None  # type: ignore[return-value]
+
+
+def write_atomically(path: str, write: Callable[[BinaryIO], None], *, needed: Optional[int] = None,
+                     check_permissions: bool = True) -> None:
     """Call ``write(f)`` on a locked temporary file, fsync it, rename it to ``path``, fsync
     the directory.  On any failure (or interrupt) the temporary file is removed and ``path``
-    is left as it was."""
+    is left as it was.  ``needed``: the bytes the file will take, when known (for the
+    free-space check and the error).  ``check_permissions=False`` warns about a directory
+    another user can change instead of refusing it."""
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
+    check_directory(directory, check_permissions=check_permissions, stacklevel=4)
+    make_private_dirs(directory)
+    check_free_space(path, needed)
     remove_leftovers(directory)
     fd, tmp = _open_locked_temp(directory, os.path.basename(path))
     renamed = False
+    counter: Optional[_Counting] = None
     try:
         with os.fdopen(fd, "wb", closefd=False) as f:
-            write(f)
+            counter = _Counting(f)
+            write(counter)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
         renamed = True
-        _fsync_directory(directory)
+        fsync_directory(directory)
+    except Exception as exc:
+        cause = _space_cause(exc, counter or _Counting(None))  # type: ignore[arg-type]
+        if cause is not None:
+            raise space_error(path, needed, counter.written if counter else 0, cause) from exc
+        raise
     finally:
         if not renamed:
             with contextlib.suppress(OSError):

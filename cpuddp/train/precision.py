@@ -26,6 +26,7 @@ PRECISIONS: dict[Optional[str], Optional[torch.dtype]] = {
     "no": None,
     "fp32": None,
     "bf16": torch.bfloat16,
+    "auto": torch.bfloat16,  # a candidate: the trial (precision_trial.py) keeps it or fp32
 }
 
 _BF16_FEATURES = ("amx", "avx512_bf16")
@@ -88,17 +89,23 @@ def decide_precision(
     """Pure decision: the autocast dtype (or None for fp32) and a sentence saying why.
 
     ``mixed_precision="bf16"`` on a CPU without native bf16 falls back to fp32 with a
-    warning, or raises :class:`PrepareError` when ``strict`` is true.
+    warning, or raises :class:`PrepareError` when ``strict`` is true.  ``"auto"`` is bf16 as
+    a candidate where the CPU has it (the first steps then measure both:
+    :mod:`cpuddp.train.precision_trial`), else fp32 without measuring.
     """
     if mixed_precision not in PRECISIONS:
         raise PrepareError(
             f"mixed_precision must be one of {sorted(k for k in PRECISIONS if k)} or None. "
             f"Got {mixed_precision!r} instead.",
-            fix='pass mixed_precision=None (fp32) or mixed_precision="bf16"',
+            fix='pass mixed_precision="auto" (the faster of the two, measured), None (fp32) or "bf16"',
         )
     dtype = PRECISIONS[mixed_precision]
     if dtype is None:
         return None, "fp32 requested"
+    if mixed_precision == "auto":
+        if cpu_bf16:
+            return dtype, f"auto; {reason}"
+        return None, f"auto: fp32, not measured: {reason}"
     if cpu_bf16:
         return dtype, f"bf16 requested; {reason}"
     if strict:

@@ -60,6 +60,7 @@ testable alone); the parts with their own subject live beside it:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 import weakref
@@ -74,8 +75,10 @@ from torch import nn
 from cpuddp.errors import PrepareError
 
 from .comm import bf16_allreduce_hook, bf16_allreduce_supported, check_comm_hook, register_hook
+from .layout import gather_places
 from .optim import fuse_optimizer, ipex_optimize
-from .precision import add_autocast, cpu_bf16_support, decide_precision
+from .precision import cpu_bf16_support, decide_precision
+from .precision_trial import add_precision_hooks
 from .shard import apply_full, check_shard_request, check_shardable
 from .zero import ZeroStep, check_zero_optimizer
 
@@ -254,7 +257,7 @@ def _sharding(shard: Optional[str], world: int, model: nn.Module, optimizer: Opt
 
 def _choose_precision(mixed_precision: Optional[str], strict: bool) -> tuple[Optional[torch.dtype], str]:
     """The autocast dtype and why; warns when bf16 was asked for but fp32 it is."""
-    cpu_bf16, cpu_reason = cpu_bf16_support() if mixed_precision == "bf16" else (False, "")
+    cpu_bf16, cpu_reason = cpu_bf16_support() if mixed_precision in ("bf16", "auto") else (False, "")
     dtype, reason = decide_precision(mixed_precision, strict=strict, cpu_bf16=cpu_bf16, reason=cpu_reason)
     if mixed_precision == "bf16" and dtype is None:
         warnings.warn(f"cpuddp.prepare: {reason}", stacklevel=3)
@@ -340,12 +343,14 @@ def _wrap_ddp(core: nn.Module, options: Mapping[str, Any]) -> nn.Module:
 
 
 def _shard_full(core: nn.Module, optimizer: Optional[torch.optim.Optimizer], options: Mapping[str, Any],
-                dtype: Optional[torch.dtype], notes: list[str]) -> nn.Module:
-    """shard="full": FSDP2 over this node's ranks (HSDP across nodes), the optimizer rebound."""
+                bf16_params: bool, notes: list[str]) -> nn.Module:
+    """shard="full": FSDP2 over this node's ranks (HSDP across nodes), the optimizer rebound;
+    ``bf16_params``: FSDP2's bf16 MixedPrecisionPolicy (an explicit "bf16": not trialled, as FSDP2
+    cannot turn it off after a trial; "auto" keeps fp32 parameters under the trial's autocast)."""
     from cpuddp.ranks import get_local_rank, get_local_world_size, get_node_rank
 
     return apply_full(core, optimizer, blocks=options["shard_blocks"], scope=options["shard_scope"],
-                      group=options["process_group"], bf16=dtype is not None, notes=notes,
+                      group=options["process_group"], bf16=bf16_params, notes=notes,
                       node_of=lambda: (get_node_rank(), get_local_rank(), get_local_world_size()))
 
 
@@ -377,6 +382,13 @@ def _remember(info: PrepareInfo, core: nn.Module, outer: nn.Module,
     _log.info("prepared: %s", info.as_dict())
 
 
+def _decided(core: nn.Module, bf16: bool, reason: str) -> None:
+    """The precision trial's outcome, into the record :func:`prepared_info` reads."""
+    rec = _record(core)
+    if rec is not None:
+        rec.info = dataclasses.replace(rec.info, mixed_precision="bf16" if bf16 else None, precision_reason=reason)
+
+
 # --------------------------------------------------------------------------- prepare
 
 
@@ -405,7 +417,8 @@ def prepare(
     """Optimize ``model`` (and ``optimizer``, in place) for the CPU and wrap it in DDP (or shard it).
 
     Returns the module to train.  ``optimizer`` may be omitted (inference, evaluation).
-    ``mixed_precision``: None/"fp32" or "bf16".  ``strict``: raise
+    ``mixed_precision``: None/"fp32", "bf16", or "auto" (the faster, timed on the first steps:
+    :mod:`cpuddp.train.precision_trial`).  ``strict``: raise
     :class:`PrepareError` instead of warning when bf16 (or a bf16 comm hook) cannot be had.
     ``ipex``: None uses IPEX when a matching one is installed, True requires it, False
     never uses it.  ``ddp``: None wraps when the world size is above 1 and a parameter
@@ -438,25 +451,33 @@ def prepare(
     do_ddp = decide_ddp(ddp, world_size=world, wants_grad=any(p.requires_grad for p in model.parameters()))
     fused = False
     if probe is not None:
-        model = _optimize_with_ipex(probe, model, optimizer, dtype, do_ddp and world > 1, process_group, notes)
+        ipex_dtype = dtype if mixed_precision == "bf16" else None  # "auto" measures fp32 too: fp32 weights
+        model = _optimize_with_ipex(probe, model, optimizer, ipex_dtype, do_ddp and world > 1, process_group, notes)
     else:
         fused = _fuse_step(optimizer, fused_optimizer, notes)
     core = outer = model
     hook_name: Optional[str] = None
+    bf16_params = sharding == "full" and dtype is not None and mixed_precision == "bf16"
     if sharding == "full":
-        outer = _shard_full(core, optimizer, options, dtype, notes)
+        outer = _shard_full(core, optimizer, options, bf16_params, notes)
     elif do_ddp:
         outer = _wrap_ddp(core, options)
         hook_name = _gradient_hook(outer, optimizer, sharding, options, notes)
     elif comm_hook is not None:
         notes.append("comm_hook ignored: no DDP wrap at world size 1")
+    if sharding == "full" or do_ddp:
+        gather_places(process_group)  # each rank's CPUs and threads, for Progress's header (layout.py)
     outer, compiled = _compile(outer, compile)
-    if dtype is not None:
-        add_autocast(outer, dtype, output_fp32)
+    precision: Optional[str] = None
+    if dtype is not None:  # "auto" and "bf16" measure both precisions first (precision_trial.py)
+        precision, why = add_precision_hooks(outer, dtype, output_fp32, requested=mixed_precision, group=process_group,
+                                             measure=(probe is None or mixed_precision == "auto") and not bf16_params,
+                                             on_decide=lambda bf16, reason: _decided(core, bf16, reason))
+        precision_reason = why or precision_reason
 
     info = PrepareInfo(
         path="ipex" if probe is not None else "stock",
-        mixed_precision="bf16" if dtype is not None else None,
+        mixed_precision=precision,
         requested_precision=mixed_precision,
         precision_reason=precision_reason,
         fused_optimizer=fused,

@@ -6,7 +6,12 @@
         progress.update(loss=loss.item())
     summary = progress.close()        # steps, seconds, samples_per_s, loss
 
-On a terminal it redraws one line in place (at most ten times a second)::
+It starts with a header line: each rank's CPUs and threads (gathered by
+:func:`cpuddp.prepare` when it wraps the model in DDP; :mod:`cpuddp.train.layout`)::
+
+    2 rank(s): rank 0 CPU 0 (1 thread), rank 1 CPU 1 (1 thread)
+
+On a terminal it then redraws one line in place (at most ten times a second)::
 
     [#########-----------]  450/1000  loss 0.4127  612 samples/s  ETA 0:53
 
@@ -33,10 +38,12 @@ import shutil
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
-from typing import IO, Callable, Optional
+from dataclasses import dataclass, field
+from typing import IO, Callable, Optional, Union
 
 from cpuddp.ranks import get_rank
+
+from .layout import places_line
 
 __all__ = ["Progress", "ProgressSummary", "format_duration"]
 
@@ -53,6 +60,7 @@ class ProgressSummary:
     seconds: float  # wall time from the Progress's creation to close()
     samples_per_s: float  # after the warm-up steps; nan when unknown
     loss: float  # mean of the last ``every`` losses given; nan when none were
+    ranks: str = field(default="", compare=False)  # each rank's CPUs and threads: the header's line
 
 
 def format_duration(seconds: float) -> str:
@@ -75,7 +83,9 @@ class Progress:
     """A progress line for a loop of ``total`` steps; see the module doc.
 
     ``samples_per_step`` (every rank's samples in one step) turns step times into samples/s;
-    without it the rate is in steps/s.  ``enabled`` (default: global rank 0) and ``stream``
+    without it the rate is in steps/s.  ``header``: True writes the ranks' CPUs and threads
+    first (the module doc), a string writes that instead, False nothing.  ``start``: the
+    steps already done (a run resumed from a checkpoint): the line counts on from there.  ``enabled`` (default: global rank 0) and ``stream``
     (default: stderr) say whether and where to write; ``tty`` overrides the stream's own
     ``isatty()``.  ``clock`` is for tests.
     """
@@ -91,6 +101,8 @@ class Progress:
         stream: Optional[IO[str]] = None,
         tty: Optional[bool] = None,
         clock: Callable[[], float] = time.perf_counter,
+        header: Union[bool, str] = True,
+        start: int = 0,
     ) -> None:
         if isinstance(total, bool) or not isinstance(total, int) or total < 1:
             raise ValueError(f"total must be an int >= 1 (the number of steps). Got {total!r} instead.")
@@ -100,10 +112,14 @@ class Progress:
             raise ValueError(f"samples_per_step must be positive or None. Got {samples_per_step!r} instead.")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be an int >= 0. Got {warmup!r} instead.")
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= total:
+            raise ValueError(f"start must be an int from 0 to total ({total}): the steps already done (a resumed "
+                             f"run). Got {start!r} instead.")
         self.total = total
-        self.every = every if every is not None else max(1, round(total / 10))
+        self.start = start
+        self.every = every if every is not None else max(1, round((total - start) / 10))
         self.samples_per_step = samples_per_step
-        self.warmup = min(warmup, total - 1)
+        self.warmup = max(0, min(warmup, total - start - 1))
         self.enabled = _is_main_process() if enabled is None else bool(enabled)
         self.stream = stream if stream is not None else sys.stderr
         if tty is None:
@@ -114,10 +130,14 @@ class Progress:
         self._start = clock()
         self._warm_at: Optional[float] = self._start if self.warmup == 0 else None
         self._losses: deque = deque(maxlen=self.every)
-        self._step = 0
+        self._step = start
         self._drawn_at = -math.inf
         self._width = 0
         self._closed: Optional[ProgressSummary] = None
+        self.ranks = places_line()
+        if self.enabled and header:
+            self.stream.write((header if isinstance(header, str) else self.ranks) + "\n")
+            self.stream.flush()
 
     # ----------------------------------------------------------------- measuring
 
@@ -135,7 +155,7 @@ class Progress:
         """samples/s (steps/s without ``samples_per_step``) after the warm-up; nan before."""
         if self._warm_at is None:
             return math.nan
-        timed = self._step - self.warmup
+        timed = self._step - self.start - self.warmup
         seconds = (self._clock() if now is None else now) - self._warm_at
         if timed <= 0 or seconds <= 0:
             return math.nan
@@ -159,7 +179,7 @@ class Progress:
         self._step = min(self.total, self._step + steps)
         if loss is not None:
             self._losses.append(float(loss))
-        if self._warm_at is None and self._step >= self.warmup:
+        if self._warm_at is None and self._step >= self.start + self.warmup:
             self._warm_at = now
         if not self.enabled:
             return
@@ -177,7 +197,7 @@ class Progress:
             now = self._clock()
             if self.enabled and self.tty and self._step < self.total and self._width:
                 self._draw(self._tty_line(now), end="\n")  # a loop that stopped early
-            self._closed = ProgressSummary(self._step, now - self._start, self.rate(now), self.loss)
+            self._closed = ProgressSummary(self._step, now - self._start, self.rate(now), self.loss, self.ranks)
         return self._closed
 
     def __enter__(self) -> "Progress":

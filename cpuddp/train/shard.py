@@ -33,7 +33,7 @@ __all__ = [
     "check_shard_request",
     "find_blocks",
     "decide_mesh",
-    "gather_places",
+    "gather_seats",
     "shared_across_blocks",
     "apply_full",
     "is_fsdp",
@@ -227,7 +227,7 @@ def is_fsdp(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def gather_places(node_of: Callable[[], tuple[int, int, int]], group: Any) -> list[tuple[int, int, int]]:
+def gather_seats(node_of: Callable[[], tuple[int, int, int]], group: Any) -> list[tuple[int, int, int]]:
     """Every rank's ``(node, local rank, ranks on its node)``, in rank order (one collective)."""
     import torch.distributed as dist
 
@@ -283,7 +283,7 @@ def apply_full(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], *, 
             fix="name blocks that keep shared parameters together (shard_blocks=...), or untie them")
     names = {id(p): n for n, p in model.named_parameters()}
     opt_names = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups] if optimizer else []
-    places = gather_places(node_of, group)
+    places = gather_seats(node_of, group)
     mesh_shape = decide_mesh(places, "world" if group is not None else scope)
     mesh = _mesh(mesh_shape, places, group)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()

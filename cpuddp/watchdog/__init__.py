@@ -2,5 +2,5 @@
 
 Owns: the per-rank monitor thread and its hooks (:mod:`.monitor`), the store protocol it
 speaks with its peers (:mod:`.store`), and its decisions, pure (:mod:`.verdict`).
-May import: :mod:`cpuddp.errors`, :mod:`cpuddp.launchers`.
+May import: :mod:`cpuddp.errors`, :mod:`cpuddp.launchers`, :mod:`cpuddp.backends` (its lifecycle hooks).
 """

@@ -148,11 +148,12 @@ def diagnose(comm_failure: bool = True) -> Optional[str]:
 
 
 def _abort_shared_memory() -> None:
-    """Make local peers blocked in a :mod:`cpuddp.shm` allreduce raise at once (if it is in use)."""
-    shm = sys.modules.get("cpuddp.backends.shm.group")
-    if shm is not None:
-        with contextlib.suppress(Exception):
-            shm.abort_groups("this rank raised an uncaught exception")
+    """Make local peers blocked in a collective with this rank raise at once (the backends'
+    abort hooks: the shm group's abort word)."""
+    from cpuddp.backends.registry import abort_all
+
+    with contextlib.suppress(Exception):
+        abort_all("this rank raised an uncaught exception")
 
 
 def _bounded(fn: Callable[[], None], limit: float) -> None:

@@ -4,7 +4,7 @@ Prints ``JOINED {json}`` per rank (rank, world size, launcher, job id, rendezvou
 port, GLOO_SOCKET_IFNAME, pid), then all-reduces every 0.1 s -- checking the sum is the world
 size, which a stranger in the group would break -- until the file ``RELEASE_FILE`` exists or
 ``HOLD`` seconds (default 60) pass (decided together, so all ranks stop at the same step), and
-prints ``DONE <rank>``.  With ``LISTEN_DIR`` set, each
+prints ``DONE <rank>``.  ``HOLD_BACKEND`` names the backend (default auto).  With ``LISTEN_DIR`` set, each
 rank writes ``listen<rank>.json``: its listening TCP sockets once the group is up.
 """
 
@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import cpuddp
 
-env = cpuddp.init_distributed(pin=False)
+env = cpuddp.init_distributed(os.environ.get("HOLD_BACKEND", "auto"), pin=False)
 x = torch.ones(1)
 dist.all_reduce(x)  # gloo's connections are all up after the first collective
 listen_dir = os.environ.get("LISTEN_DIR")

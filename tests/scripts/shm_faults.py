@@ -7,9 +7,10 @@ hosts the TCPStore); writes ``OUTDIR/rank<r>.json``.  Modes:
   allreduce; rank 0's next allreduce must fail within seconds, naming the death.
 * ``dies_mapping``: rank 1 dies (os._exit) right when it would fetch the segment from local
   rank 0: rank 0's init must fail within seconds, naming the death.
-* ``attacked``: form the group and run 200 allreduces, each checked, while another local user
-  (tests/scripts/shm_intruder.py) writes false offers into the store and knocks on the hand-over
-  socket; each rank reports the sums it got or the error it raised.
+* ``attacked``: form the group, then DDP's initial broadcast, a broadcast, an all_gather, a
+  barrier and 200 allreduces, each checked, while another local user
+  (tests/scripts/shm_intruder.py) writes false offers, gloo addresses and host lines into the
+  store and knocks on the hand-over socket; each rank reports what it got or the error it raised.
 """
 
 import datetime
@@ -21,12 +22,13 @@ import time
 import torch
 import torch.distributed as dist
 
-import cpuddp.backends.shm.segment as segment
+import cpuddp.backends.shm.handover as handover
 import cpuddp.shm  # noqa: F401  -- registers "shm" with torch.distributed
+from cpuddp.backends.shm.node import pid_namespace
 
 mode, outdir = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])
-report: dict = {"rank": rank, "pid_ns": segment.pid_namespace()}
+report: dict = {"rank": rank, "pid_ns": pid_namespace()}
 
 
 def done() -> None:
@@ -49,7 +51,7 @@ def attempt(key: str, fn) -> None:
 if mode == "dies_mapping" and rank == 1:
     def _die(*_a, **_k):
         os._exit(17)  # a crash at the moment the segment would be fetched
-    segment._fetch = _die
+    handover._fetch = _die
 
 timeout = datetime.timedelta(seconds=60)
 attempt("init", lambda: dist.init_process_group("shm", timeout=timeout))
@@ -68,15 +70,36 @@ if mode == "peer_dies":
 if mode == "attacked":
     got = []
 
+    def check(what: str, ok: bool, value) -> None:
+        if not ok:
+            raise AssertionError(f"WRONG RESULT in {what}: {value}")
+
     def loop() -> None:
+        n = dist.get_world_size()
+        torch.manual_seed(rank)  # different initial weights on each rank: DDP must broadcast rank 0's
+        model = torch.nn.Linear(64, 64)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.manual_seed(0)
+        want = torch.cat([p.detach().reshape(-1) for p in torch.nn.Linear(64, 64).parameters()])
+        check("DDP's initial broadcast", torch.equal(flat, want), flat.sum().item())
+        b = torch.arange(1000) if rank == 0 else torch.zeros(1000, dtype=torch.int64)
+        dist.broadcast(b, src=0)
+        check("broadcast", b.sum().item() == 499500, b.sum().item())
+        parts = [torch.zeros(100) for _ in range(n)]
+        dist.all_gather(parts, torch.full((100,), float(rank)))
+        check("all_gather", all(torch.equal(p, torch.full((100,), float(r))) for r, p in enumerate(parts)), parts)
+        dist.barrier()
+        ddp(torch.randn(8, 64)).sum().backward()
         for i in range(200):
             t = torch.full((257,), float(rank + 1 + i))
             dist.all_reduce(t)
             got.append(t[0].item())
-            if t[0].item() != 3.0 + 2 * i or not torch.equal(t, torch.full((257,), t[0].item())):
-                raise AssertionError(f"WRONG RESULT at call {i}: {t[:4].tolist()}")
+            check(f"all_reduce {i}", t[0].item() == 3.0 + 2 * i and torch.equal(t, torch.full((257,), t[0].item())),
+                  t[:4].tolist())
 
     attempt("loop", loop)
     report["calls"] = len(got)
     done()
+done()
 done()

@@ -3,18 +3,22 @@
 ``python3 shm_intruder.py user SECONDS DIR`` -- run AS THE OTHER USER, standard library only
 (the job's virtual environment need not be readable by that user).  It
 
-* pre-creates a world-writable look-alike segment file in /dev/shm (the old design mapped a path);
+* listens on a TCP port of its own, as the relay the issue's attacker ran between gloo's ranks:
+  every connection and byte that reaches it is counted (the job must send it nothing);
 * serves a look-alike memfd (valid magic and size, the job's token once known) on an abstract
   socket of its own;
+* pre-creates a world-writable look-alike segment file in /dev/shm;
 * connects to the job's real hand-over socket as soon as the job's offer is known, to obtain the
-  job's segment;
+  job's segment, and separately connects and says nothing (a stall);
 
-and writes its offers to ``DIR/fake.json`` and its results to ``DIR/user.json``.
+and writes its addresses to ``DIR/fake.json`` and its results to ``DIR/user.json``.
 
-``python shm_intruder.py store HOST PORT SECONDS DIR`` -- writes those offers into the job's
-rendezvous store as fast as it can and records the job's real offer in ``DIR/real.txt``.  The store
-has no authentication, so which uid runs this role changes nothing (docs/security.md); it runs in
-the test's environment because it needs torch's TCPStore client.
+``python shm_intruder.py store HOST PORT SECONDS DIR [forge-who|keep-who]`` -- writes into the job's rendezvous store
+as fast as it can: false segment offers, gloo address keys pointing at the relay (under every
+name a gloo group of the job would use), and with ``forge-who`` rank 1's host line claiming
+another host (so the ranks would believe they share no node and talk over gloo); it records the job's real offer in
+``DIR/real.txt``.  The store has no authentication, so which uid runs this role changes nothing
+(docs/security.md); it runs in the test's environment because it needs torch's TCPStore client.
 """
 
 import ctypes
@@ -28,13 +32,49 @@ import sys
 import threading
 import time
 
-KEY = "default_pg/0//cpu//shm/seg/0"  # where a plain env:// job's default group keeps its offer
+PREFIX = "default_pg/0//cpu//"  # where a plain env:// job's default group keeps its keys
+GENERATIONS = (1, 2, 3)  # the shm group's key prefix counts the rank's groups: the first few
 MAGIC = 0x6370756464707368
+
+
+def _offer_key(gen: int) -> str:
+    return f"{PREFIX}shm/{gen}/seg/0"
+
+
+def _relay(result: dict, deadline: float) -> int:
+    """A TCP listener standing in for the relay: counts what reaches it."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    srv.settimeout(0.05)
+
+    def serve() -> None:
+        while time.monotonic() < deadline:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            result["relay_connections"] += 1
+            conn.settimeout(1)
+            try:
+                while True:
+                    data = conn.recv(65536)
+                    if not data:
+                        break
+                    result["relay_bytes"] += len(data)
+            except OSError:
+                pass
+            conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv.getsockname()[1]
 
 
 def user_role(seconds: float, where: str) -> None:
     deadline = time.monotonic() + seconds
-    result = {"uid": os.geteuid(), "served": 0, "stolen_fds": 0, "steal_errors": []}
+    result = {"uid": os.geteuid(), "served": 0, "stolen_fds": 0, "steal_errors": [], "relay_connections": 0,
+              "relay_bytes": 0, "stalls": 0}
+    relay_port = _relay(result, deadline)
     path = f"/dev/shm/cpuddp-shm-0-{os.getpid()}-{secrets.token_hex(4)}"
     with open(path, "wb") as f:
         f.write(b"\0" * (8 << 20))
@@ -47,7 +87,7 @@ def user_role(seconds: float, where: str) -> None:
     srv.listen(8)
     srv.settimeout(0.05)
     with open(os.path.join(where, "fake.json.tmp"), "w") as f:
-        json.dump({"sock": name, "path": path}, f)
+        json.dump({"sock": name, "path": path, "relay_port": relay_port}, f)
     os.rename(os.path.join(where, "fake.json.tmp"), os.path.join(where, "fake.json"))
     real_file = os.path.join(where, "real.txt")
 
@@ -71,25 +111,29 @@ def user_role(seconds: float, where: str) -> None:
                         words = (ctypes.c_int64 * 8).from_buffer(head, 0)
                         words[0], words[1], words[2], words[3] = MAGIC, 2, 1 << 20, token()
                         del words
-                    socket.send_fds(conn, [struct.pack("q", token())], [fake])
+                    socket.send_fds(conn, [struct.pack("q", token())], [fake, fake])
                     result["served"] += 1
                     conn.recv(100)
                 except OSError:
                     pass
 
     threading.Thread(target=serve, daemon=True).start()
-    tried = False
+    tried, held = False, []
     while time.monotonic() < deadline:
         if not tried and os.path.exists(real_file):
             tried = True
             try:
                 with open(real_file) as f:
                     sock = f.read().split("\t")[1]
+                staller = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                staller.connect(b"\0cpuddp-shm-" + sock.encode())  # and say nothing
+                held.append(staller)
+                result["stalls"] += 1
                 with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
                     c.settimeout(2)
                     c.connect(b"\0cpuddp-shm-" + sock.encode())
-                    c.sendall(b"1")
-                    _msg, fds, _f, _a = socket.recv_fds(c, 64, 1)
+                    c.sendall(b"1\n")
+                    _msg, fds, _f, _a = socket.recv_fds(c, 64, 4)
                     result["stolen_fds"] += len(fds)
             except (OSError, IndexError) as exc:
                 result["steal_errors"].append(str(exc)[:100])
@@ -99,7 +143,17 @@ def user_role(seconds: float, where: str) -> None:
         json.dump(result, f)
 
 
-def store_role(host: str, port: int, seconds: float, where: str) -> None:
+def _gloo_keys() -> list:
+    """Where a gloo group of the job would look for its peers' addresses (the world group's own,
+    a gloo group inside a shm group of any generation, a new_group's)."""
+    keys = []
+    for r in (0, 1):
+        keys += [f"{PREFIX}{r}", f"{PREFIX}gloo/{r}", f"default_pg/1//cpu//{r}"]
+        keys += [f"{PREFIX}shm/{g}/gloo/{r}" for g in GENERATIONS]
+    return keys
+
+
+def store_role(host: str, port: int, seconds: float, where: str, forge_who: bool) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -112,18 +166,26 @@ def store_role(host: str, port: int, seconds: float, where: str) -> None:
         time.sleep(0.01)
     with open(fake_file) as f:
         fake = json.load(f)
+    relay = f"127.0.0.1:{fake['relay_port']}".encode()
+    elsewhere = "attacker-host|boot|ns\t4242\t1\t0"
     writes, real, i = 0, None, 0
     while time.monotonic() < deadline:
         try:
-            if real is None and store.check([KEY]):
-                cur = store.get(KEY).decode(errors="replace")
-                if fake["sock"] not in cur and fake["path"] not in cur:
-                    real = cur
-                    with open(os.path.join(where, "real.txt"), "w") as f:
-                        f.write(real)
-            token = real.split("\t")[2] if real else "1"
-            value = f"sock\t{fake['sock']}\t{token}\t{1 << 20}" if i % 2 else f"{fake['path']}\t{token}\t{1 << 20}"
-            store.set(KEY, value)
+            for gen in GENERATIONS:
+                key = _offer_key(gen)
+                if real is None and store.check([key]):
+                    cur = store.get(key).decode(errors="replace")
+                    if fake["sock"] not in cur and fake["path"] not in cur:
+                        real = cur
+                        with open(os.path.join(where, "real.txt"), "w") as f:
+                            f.write(real)
+                token = real.split("\t")[2] if real else "1"
+                value = f"sock\t{fake['sock']}\t{token}\t{1 << 20}" if i % 2 else f"{fake['path']}\t{token}\t{1 << 20}"
+                store.set(key, value)
+                if forge_who:
+                    store.set(f"{PREFIX}shm/{gen}/who/1", elsewhere)
+            for key in _gloo_keys():
+                store.set(key, relay)
             writes += 1
             i += 1
         except Exception:  # noqa: BLE001 -- the job ended and took its store with it
@@ -136,4 +198,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "user":
         user_role(float(sys.argv[2]), sys.argv[3])
     else:
-        store_role(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5])
+        store_role(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5], sys.argv[6] == "forge-who")

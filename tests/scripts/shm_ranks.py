@@ -5,8 +5,8 @@ writes ``OUTDIR/rank<r>.json``.  Modes:
 
 * ``init_only``: form the shm group; report its reason or the error.
 * ``peer_dies``: rank 1 kills itself with SIGKILL; rank 0's allreduce must fail at once.
-* ``compare``: allreduce of several dtypes/ops/sizes on the shm group and on a gloo group;
-  report the largest difference and a digest of each shm result (run on 2 namespace hosts x 2).
+* ``compare``: every collective on the shm group and on a gloo group (tests/shm_cases.py),
+  element for element (run on 2 namespace hosts x 2); plus an all_reduce digest per dtype.
 * ``peer_stuck``: group timeout 3 s; rank 1 calls allreduce 4.5 s late: rank 0 times out,
   rank 1 learns of the abort at once, and rank 0's next call fails because the group is broken.
 """
@@ -68,32 +68,16 @@ if mode == "compare":
     import ctypes
     import hashlib
 
-    gloo = dist.new_group(backend="gloo")
-    report["digests"], report["max_rel_diff"] = {}, 0.0
-    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64):
-        for op in ("SUM", "AVG", "MAX", "PRODUCT"):
-            if op == "AVG" and not dtype.is_floating_point:
-                continue
-            for numel in (3, 600001):
-                g = torch.Generator().manual_seed(rank * 31 + numel)
-                base = torch.randn(numel, generator=g, dtype=torch.float64)
-                x = (1 + base / 16 if op == "PRODUCT" else base * 8).to(dtype)
-                a, b = x.clone(), x.clone()
-                dist.all_reduce(a, op=getattr(dist.ReduceOp, op))
-                if op == "AVG":  # gloo has no AVG: SUM, then divide
-                    dist.all_reduce(b, group=gloo)
-                    b = b / dist.get_world_size()
-                else:
-                    dist.all_reduce(b, op=getattr(dist.ReduceOp, op), group=gloo)
-                scale = x.double().abs()  # error relative to the sum of magnitudes (sums may cancel)
-                dist.all_reduce(scale, group=gloo, op=dist.ReduceOp.MAX if op in ("MAX", "MIN") else dist.ReduceOp.SUM)
-                diff = ((a.double() - b.double()).abs() / scale.clamp_min(1e-30)).max().item()
-                report["max_rel_diff"] = max(report["max_rel_diff"], diff)
-                key = f"{dtype}/{op}/{numel}"
-                if diff > {torch.bfloat16: 2e-2, torch.float32: 1e-6, torch.float64: 1e-14}.get(dtype, 0.0):
-                    report.setdefault("bad", []).append(f"{key}: {diff}")
-                report["digests"][key] = hashlib.sha256(ctypes.string_at(a.data_ptr(), a.numel() * a.element_size())).hexdigest()
-    report["shm_calls"] = dist.group.WORLD.shm_calls
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from shm_cases import every_collective
+
+    report.update(every_collective((1, 13, 300001), ("float32", "int64", "bfloat16")))
+    report["digests"] = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        g = torch.Generator().manual_seed(rank * 31)
+        a = (torch.randn(600001, generator=g, dtype=torch.float64) * 8).to(dtype)
+        dist.all_reduce(a)
+        report["digests"][str(dtype)] = hashlib.sha256(ctypes.string_at(a.data_ptr(), a.numel() * a.element_size())).hexdigest()
     dist.barrier()
     done()
 

@@ -1,38 +1,40 @@
-"""Per-call agreement for :mod:`cpuddp.shm`: before data moves, the node's ranks compare what
-they are about to do.
+"""Per-call agreement for the shm group: before data moves, the node's ranks compare what they
+are about to do.
 
-Every collective on a shm group (the shared-memory allreduce and each one it hands to gloo)
-gets a call number.  Its communication thread writes a descriptor -- the call number, the
-collective, the reduce op, the dtype, the element count, the root and whether the call goes
-through shared memory -- into this rank's ring in the segment, raises its ``posted`` word, waits
-until every local peer posted the same call number, and compares.  Any difference is a
-:class:`CallMismatch` on every rank, naming both sides' calls, before a byte is summed: a
-mismatch can never give a wrong result or shift the pairing of later calls.
+Every collective on a shm group gets a call number.  The calling rank writes a descriptor --
+the call number, the collective, the reduce op, the dtype, the element count, the root, the
+number of tensors and a digest of their sizes -- into its ring in the segment and raises its
+``posted`` word; before it reads a byte a peer wrote for this call, it waits until every local
+peer posted the same call number and compares.  Any difference is a :class:`CallMismatch` on
+every rank, naming both sides' calls, before anything is read: a mismatch can never give a
+wrong result or shift the pairing of later calls.
 
-Pure helpers (:func:`encode`, :func:`describe`, :func:`first_difference`) are tested without
-processes; :class:`Ring` reads and writes the segment's words.
+Pure helpers (:func:`encode`, :func:`describe`) are tested without processes; :class:`Ring`
+reads and writes the segment's words.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
 from . import check as shm_check
 
-__all__ = ["Call", "CallMismatch", "KINDS", "Ring", "describe", "encode", "first_difference"]
+__all__ = ["Call", "CallMismatch", "KINDS", "Ring", "describe", "encode"]
 
 #: collective -> code in a descriptor (0 is "nothing posted")
 KINDS = {name: i + 1 for i, name in enumerate((
-    "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-    "reduce_scatter_tensor", "barrier", "gather", "scatter", "reduce", "all_to_all", "all_to_all_single",
-    "all_reduce_coalesced", "all_gather_coalesced", "all_gather_into_tensor_coalesced",
-    "reduce_scatter_tensor_coalesced"))}
+    "all_reduce", "broadcast", "all_gather", "all_gather_single", "reduce_scatter",
+    "reduce_scatter_single", "barrier", "gather", "scatter", "reduce", "all_to_all", "all_to_all_single",
+    "all_reduce_coalesced", "all_gather_coalesced", "all_gather_single_coalesced",
+    "reduce_scatter_single_coalesced"))}
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool",
            "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
 _OPS = {0: "SUM", 1: "AVG", 2: "PRODUCT", 3: "MIN", 4: "MAX", 5: "BAND", 6: "BOR", 7: "BXOR", 8: "PREMUL_SUM"}
 ANY = -1  # a field this collective does not pin (it may differ between ranks)
+WORDS = 7  # fields per descriptor, after the call number
 
 
 class CallMismatch(RuntimeError):
@@ -48,11 +50,11 @@ class Call:
     dtype: int = ANY
     numel: int = ANY
     root: int = ANY
-    shm: int = 0  # 1: through shared memory, 0: handed to gloo
     tensors: int = ANY
+    sizes: int = ANY  # a digest of each tensor's element count (list forms)
 
     def words(self) -> Tuple[int, ...]:
-        return (self.kind, self.op, self.dtype, self.numel, self.root, self.shm, self.tensors)
+        return (self.kind, self.op, self.dtype, self.numel, self.root, self.tensors, self.sizes)
 
 
 def dtype_code(dtype: Any) -> int:
@@ -60,25 +62,25 @@ def dtype_code(dtype: Any) -> int:
     return _DTYPES.index(name) if name in _DTYPES else 99
 
 
-def encode(kind: str, tensors: Sequence[Any] = (), *, op: Optional[int] = None, root: Optional[int] = None,
-           shm: bool = False) -> Call:
-    """The :class:`Call` for collective ``kind`` over ``tensors`` (their total element count and
-    the first one's dtype; ``()`` when the count may legitimately differ between ranks)."""
+def encode(kind: str, tensors: Sequence[Any] = (), *, op: Optional[int] = None, root: Optional[int] = None) -> Call:
+    """The :class:`Call` for collective ``kind`` over ``tensors`` (the tensors every rank must
+    hold alike: their total element count, the first one's dtype, their number and sizes)."""
     tensors = list(tensors)
+    sizes = ",".join(str(int(t.numel())) for t in tensors)
     return Call(
         kind=KINDS[kind],
         op=ANY if op is None else int(op),
         dtype=dtype_code(tensors[0].dtype) if tensors else ANY,
         numel=sum(int(t.numel()) for t in tensors) if tensors else ANY,
         root=ANY if root is None else int(root),
-        shm=int(shm),
         tensors=len(tensors) if tensors else ANY,
+        sizes=zlib.crc32(sizes.encode()) if len(tensors) > 1 else ANY,
     )
 
 
 def describe(call: Sequence[int]) -> str:
-    """``all_reduce(SUM, float32, 10 elements in 1 tensor, shared memory)``: a descriptor as text."""
-    kind, op, dtype, numel, root, shm, tensors = call[:7]
+    """``all_reduce(SUM, float32, 10 elements in 1 tensor)``: a descriptor as text."""
+    kind, op, dtype, numel, root, tensors, sizes = call[:WORDS]
     parts = []
     if op != ANY:
         parts.append(_OPS.get(op, f"op {op}"))
@@ -87,16 +89,11 @@ def describe(call: Sequence[int]) -> str:
     if numel != ANY:
         parts.append(f"{numel} element{'s' if numel != 1 else ''}"
                      + (f" in {tensors} tensors" if tensors not in (ANY, 1) else ""))
+    if sizes != ANY:
+        parts.append(f"sizes #{sizes:08x}")
     if root != ANY:
         parts.append(f"root {root}")
-    if _KIND_NAMES.get(kind) == "all_reduce":
-        parts.append("shared memory" if shm else "gloo (not eligible for shared memory)")
     return f"{_KIND_NAMES.get(kind, f'collective {kind}')}({', '.join(parts)})"
-
-
-def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> bool:
-    """Do two descriptors (without the call number) describe different calls?"""
-    return tuple(mine[:7]) != tuple(theirs[:7])
 
 
 class Ring:
@@ -108,14 +105,15 @@ class Ring:
         self._seg, self._posted, self._checked = seg, C_POSTED, C_CHECKED
         self.me = seg.local_rank
 
-    def slot_free(self, seq: int) -> bool:
-        """May this rank overwrite ring entry ``seq % RING``?  (Every peer checked ``seq - RING``.)"""
+    def slot_free(self, seq: int) -> List[int]:
+        """Local ranks that have not checked call ``seq - RING`` yet (this rank may not overwrite
+        ring entry ``seq % RING`` before they have)."""
         need = seq - shm_check.RING
-        return all(line[self._checked] >= need for i, line in enumerate(self._seg.lines) if i != self.me)
+        return [i for i, line in enumerate(self._seg.lines) if i != self.me and line[self._checked] < need]
 
     def post(self, seq: int, call: Call) -> None:
         entry = self._seg.rings[self.me][seq % shm_check.RING]
-        entry[1:8] = call.words()
+        entry[1:1 + WORDS] = call.words()
         entry[0] = seq
         self._seg.lines[self.me][self._posted] = seq  # x86 TSO: peers that see this see the entry
 
@@ -130,12 +128,12 @@ class Ring:
             if i == self.me:
                 continue
             entry = self._seg.rings[i][seq % shm_check.RING]
-            theirs = tuple(entry[1:8])
-            if entry[0] != seq or first_difference(mine, theirs):
+            theirs = tuple(entry[1:1 + WORDS])
+            if entry[0] != seq or theirs != mine:
                 raise CallMismatch(
                     f"collective call #{seq} differs between the ranks of this node: rank {rank_of[self.me]} called "
                     f"{describe(mine)}, rank {rank_of[i]} called "
                     f"{describe(theirs) if entry[0] == seq else f'call #{entry[0]} in that slot'}. Every rank must "
-                    "call the same collectives in the same order with the same op, dtype and element count; "
-                    "no data moved, and the group is now broken")
+                    "call the same collectives in the same order with the same op, dtype, root and element count; "
+                    "no data was read, and the group is now broken")
         self._seg.lines[self.me][self._checked] = seq

@@ -1,4 +1,8 @@
-"""``cpuddp run``'s plan: how many ranks per node, which CPUs and how many threads each (pure).
+"""A job's plan: how many ranks per node, which CPUs and how many threads each (pure).
+
+``cpuddp run`` launches it and ``cpuddp doctor`` shows it (the plan a job of N ranks would
+get here); :func:`rank_cpus_line` is the one-line form of where each rank runs, which the
+run plan, :class:`cpuddp.Progress`'s header and the example's summary print.
 
 :func:`plan_run` is a pure function of one node's :class:`~cpuddp.topology.Topology` and the
 request (``--ranks-per-node`` / ``--cores-per-rank``, the node count, Slurm's CPUs per task,
@@ -24,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from cpuddp.affinity.plan import plan_pinning
+from .plan import plan_pinning
 from cpuddp.errors import CpuddpError
 from cpuddp.topology.model import Topology, format_cpulist
 
-__all__ = ["RunPlanError", "RankSlot", "RunPlan", "plan_run", "plan_table"]
+__all__ = ["RunPlanError", "RankSlot", "RunPlan", "RankPlace", "plan_run", "plan_table", "rank_cpus_line"]
 
 
 class RunPlanError(CpuddpError, ValueError):
@@ -98,6 +102,7 @@ def plan_run(
     *,
     nodes: int = 1,
     ranks_per_node: Optional[int] = None,
+    ranks_source: str = "--ranks-per-node",
     cores_per_rank: Optional[int] = None,
     slurm_cpus_per_task: Optional[int] = None,
     omp_num_threads: Optional[str] = None,
@@ -118,7 +123,7 @@ def plan_run(
     if ncores == 0:
         raise RunPlanError(f"no usable CPUs: allowed {format_cpulist(topo.allowed)!r}, online {format_cpulist(topo.online)!r}",
                            fix="run where this process may use at least one online CPU")
-    n, why = _rank_count(topo, ncores, ranks_per_node, cores_per_rank, slurm_cpus_per_task)
+    n, why = _rank_count(topo, ncores, ranks_per_node, cores_per_rank, slurm_cpus_per_task, ranks_source)
     slots, warnings = _slots(topo, n, cores_per_rank)
     _check_omp(omp_num_threads, slots)
     per_rank = min(len(s.cpus) for s in slots)
@@ -131,17 +136,17 @@ def plan_run(
 
 
 def _rank_count(topo: Topology, ncores: int, ranks_per_node: Optional[int], cores_per_rank: Optional[int],
-                slurm_cpus_per_task: Optional[int]) -> tuple[int, str]:
+                slurm_cpus_per_task: Optional[int], source: str = "--ranks-per-node") -> tuple[int, str]:
     """Ranks per node and the rule that chose it."""
     where = f"{ncores} usable physical core{'s' if ncores != 1 else ''} (CPUs {format_cpulist(topo.usable)})"
     if ranks_per_node is not None:
         if ranks_per_node < 1:
-            raise RunPlanError(f"--ranks-per-node {ranks_per_node}: must be at least 1", fix="--ranks-per-node 1 or more")
+            raise RunPlanError(f"{source} {ranks_per_node}: must be at least 1", fix="--ranks-per-node 1 or more")
         if ranks_per_node > ncores:
             raise RunPlanError(
-                f"--ranks-per-node {ranks_per_node} is more ranks than the node's {where}: ranks would share cores",
+                f"{source} {ranks_per_node} is more ranks than the node's {where}: ranks would share cores",
                 fix=f"--ranks-per-node {ncores} or fewer (or give the job more CPUs)")
-        return ranks_per_node, f"--ranks-per-node {ranks_per_node} on {where}"
+        return ranks_per_node, f"{source} {ranks_per_node} on {where}"
     if cores_per_rank is not None:
         return _from_cores_per_rank(cores_per_rank, ncores, where)
     if slurm_cpus_per_task is not None:
@@ -240,3 +245,47 @@ def plan_table(plan: RunPlan, hosts: Sequence[str] = ()) -> str:
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
     head = f"# {plan.world_size} rank(s): {plan.nodes} node(s) x {plan.ranks_per_node}; {plan.reason}"
     return "\n".join([head, *lines, *(f"# warning: {w}" for w in plan.warnings)])
+
+
+# --------------------------------------------------------------------------- one line per job
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank of a running job runs: its host, its CPUs (affinity) and its threads."""
+
+    rank: int
+    host: str
+    cpus: tuple[int, ...]
+    threads: int
+
+
+#: Ranks named in full on :func:`rank_cpus_line`; beyond it, the first and last few.
+LINE_RANKS = 8
+
+
+def _place_text(p: RankPlace) -> str:
+    word = "CPU" if len(p.cpus) == 1 else "CPUs"
+    return f"rank {p.rank} {word} {format_cpulist(p.cpus) or '?'} ({p.threads} thread{'s' if p.threads != 1 else ''})"
+
+
+def rank_cpus_line(places: Sequence[RankPlace]) -> str:
+    """Each rank's CPUs and threads on one line (hosts named when there are several), e.g.
+    ``rank 0 CPU 0 (1 thread), rank 1 CPU 1 (1 thread)``; long jobs show their first and
+    last ranks with the count between."""
+    places = sorted(places, key=lambda p: p.rank)
+    hosts = list(dict.fromkeys(p.host for p in places))
+    shown: list[Optional[RankPlace]] = list(places)
+    if len(places) > LINE_RANKS:
+        half = LINE_RANKS // 2
+        shown = [*places[:half], None, *places[-half:]]
+    parts, host = [], None
+    for p in shown:
+        if p is None:
+            parts.append(f"... {len(places) - 2 * (LINE_RANKS // 2)} more ...")
+            continue
+        text = _place_text(p)
+        if len(hosts) > 1 and p.host != host:
+            text, host = f"on {p.host}: {text}", p.host
+        parts.append(text)
+    return ", ".join(parts)

@@ -1,0 +1,73 @@
+"""What the session asks of the shm backend, without importing torch: the group's options and
+the lifecycle hooks registered with the backend (:func:`cpuddp.backends.registry.register_backend`).
+
+* :class:`ShmOptions` travel as ``pg_options`` (``init_process_group("shm", pg_options=...)``,
+  ``new_group(backend="shm", pg_options=...)``): the node-to-node leg, whether this rank has a
+  CPU its compute threads leave free (for the communication thread), and how many ranks the
+  launcher said run on this node (checked against the store, docs/security.md).  A group made
+  without them reads ``CPUDDP_SHM_INTER``, ``CPUDDP_SHM_ASYNC`` and the launcher's
+  ``LOCAL_WORLD_SIZE`` itself.
+* :func:`leave_all` (``cpuddp.shutdown`` calls it before torch's teardown: peers waiting for
+  this rank stop at once) and :func:`abort_all` (the watchdog calls it when the rank raises:
+  peers stop while this rank still reports its error) act on every live group of the process.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+__all__ = ["ShmOptions", "leave_all", "abort_all", "track", "INTER_VAR"]
+
+INTER_VAR = "CPUDDP_SHM_INTER"
+_LEGS = ("gloo", "ccl")
+
+#: The live groups of this process (each has ``leave()`` and ``abort_peers(why)``).
+_groups: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class ShmOptions:
+    """A shm group's options.  ``inter``: the node-to-node leg (``"gloo"`` or ``"ccl"``);
+    ``async_comm``: this rank has a CPU its compute threads leave free, so large collectives
+    may run on a communication thread (None: no); ``local_size``: the ranks on this node as the
+    launcher said (None: unknown), a floor for what the store may claim."""
+
+    inter: str = "gloo"
+    async_comm: Optional[bool] = None
+    local_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.inter not in _LEGS:
+            from cpuddp.errors import BackendError
+
+            raise BackendError(f"the shm group's node-to-node leg {self.inter!r} is not one of {', '.join(_LEGS)}",
+                               fix=f"set {INTER_VAR}=gloo or {INTER_VAR}=ccl (or ShmOptions(inter=...)), or unset it")
+
+    @classmethod
+    def from_environ(cls, size: int, environ: Mapping[str, str] = os.environ) -> "ShmOptions":
+        """The options of a group made without them (plain ``init_process_group("shm")``)."""
+        inter = (environ.get(INTER_VAR) or "gloo").strip().lower()
+        local = environ.get("LOCAL_WORLD_SIZE", "")
+        world = environ.get("WORLD_SIZE", "")
+        spans_world = world.strip().isdigit() and int(world) == size
+        return cls(inter=inter, local_size=int(local) if local.strip().isdigit() and spans_world else None)
+
+
+def track(group: Any) -> None:
+    _groups.add(group)
+
+
+def leave_all() -> None:
+    """Mark every shm group of this process as left (local peers waiting for it stop at once)."""
+    for group in list(_groups):
+        group.leave()
+
+
+def abort_all(why: str) -> None:
+    """Set the abort word of every shm group of this process: local peers waiting for this rank
+    raise at once ("local rank N gave up")."""
+    for group in list(_groups):
+        group.abort_peers(why)

@@ -1,0 +1,155 @@
+"""The shm group across nodes: shared memory within each node, one backend between them.
+
+The ranks with the same local rank on every node form a *cross group* (gloo, or oneCCL when
+the group's options say ``inter="ccl"``): cross rank ``j`` is node ``j``.  Each collective
+keeps what it can inside the node (per collective; docs/backends.md has the table):
+
+* ``all_reduce``: reduce-scatter in shared memory, an all_reduce of each rank's part over its
+  cross group, all-gather in shared memory (node-to-node traffic: one part per rank);
+* ``broadcast``: the root's cross group broadcasts from the root's node, then each node
+  broadcasts in shared memory from that local rank;
+* ``all_gather``: each cross group all-gathers its ranks' inputs, then each node all-gathers
+  those blocks in shared memory;
+* ``reduce_scatter``: a reduce-scatter in shared memory leaves each local rank the node's sum
+  of the parts of the ranks with its local rank on every node; its cross group reduce-scatters
+  those;
+* ``barrier``: the node's barrier, then the cross group's;
+* ``reduce``, ``gather``, ``scatter``: the all_reduce, all_gather and broadcast above, the root
+  keeping its part (one call more traffic than a direct one; nothing between a node's ranks
+  leaves shared memory);
+* ``all_to_all`` and point-to-point between nodes: one gloo group of every rank (a hierarchy
+  gains nothing for them); point-to-point within a node uses the node's sockets.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from cpuddp.errors import BackendError
+
+from .local import LocalEngine, _parts, _reduce_into
+from .node import NodePlan
+
+__all__ = ["Hierarchy", "cross_group", "INTER_CHOICES"]
+
+INTER_CHOICES = ("gloo", "ccl")
+
+
+def cross_group(store: Any, plan: NodePlan, timeout: datetime.timedelta, inter: str) -> Any:
+    """The group of the ranks with this local rank on every node: gloo, or oneCCL when asked."""
+    node, nodes = plan.node, plan.nodes
+    if inter == "ccl":
+        import oneccl_bindings_for_pytorch  # noqa: F401  (registers "ccl")
+
+        plugin = dist.Backend._plugins.get("CCL")
+        if plugin is None:
+            raise BackendError("the shm group's node-to-node leg is oneCCL, but the oneCCL bindings registered no "
+                               "'ccl' backend", fix="use gloo between nodes, or install working oneCCL bindings")
+        return plugin.creator_fn(store, node, nodes, timeout)
+    return dist.ProcessGroupGloo(store, node, nodes, timeout)
+
+
+class Hierarchy:
+    """One group's collectives across nodes (the node-local legs run on ``eng``)."""
+
+    def __init__(self, eng: LocalEngine, plan: NodePlan, cross: Any) -> None:
+        self.eng, self.plan, self.cross = eng, plan, cross
+        self.me, self.n, self.node = plan.local_rank, plan.local_size, plan.node
+
+    def all_reduce(self, flat: torch.Tensor, code: Any, fn: Callable[..., Any]) -> None:
+        eng, me, n = self.eng, self.me, self.n
+        slots = eng.seg.slots(flat.dtype)
+        chunks = eng._rounds(flat.numel(), eng._cap(flat))
+        spans = [_parts(k, n, me) for _, k in chunks]
+        part = torch.empty(sum(hi - lo for lo, hi in spans), dtype=flat.dtype)
+        pos = 0
+        for (o, k), (lo, hi) in zip(chunks, spans):
+            e = eng.epoch + 1
+            buf = slots[e & 1]
+            buf[me][:k].copy_(flat[o:o + k])
+            eng.sync(e)
+            if hi > lo:
+                _reduce_into(part[pos:pos + hi - lo], [s[lo:hi] for s in buf], fn)
+            pos += hi - lo
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(code)
+        self.cross.allreduce([part], opts).wait()
+        pos = 0
+        for (o, k), (lo, hi) in zip(chunks, spans):
+            e = eng.epoch + 1
+            buf = slots[e & 1]
+            buf[me][lo:hi].copy_(part[pos:pos + hi - lo])
+            pos += hi - lo
+            eng.sync(e)
+            for r in range(n):
+                a, b = _parts(k, n, r)
+                flat[o + a:o + b].copy_(buf[r][a:b])
+
+    def broadcast(self, flat: torch.Tensor, root: int) -> None:
+        node, lr = self._where(root)
+        if self.me == lr:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = node
+            self.cross.broadcast([flat], opts).wait()
+        self.eng.broadcast(flat, lr)
+
+    def all_gather(self, inp: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
+        """Bytes: ``outs[r]`` (every group rank's) gets rank r's ``inp``."""
+        nodes, k = self.plan.nodes, inp.numel()
+        mine = torch.empty(nodes * k, dtype=torch.uint8)
+        self.cross.allgather([list(mine.view(nodes, k))], [inp]).wait()
+        block = torch.empty(self.n * nodes * k, dtype=torch.uint8)
+        self.eng.all_gather(mine, list(block.view(self.n, nodes * k)))
+        for i in range(self.n):
+            for j in range(nodes):
+                outs[self.plan.grid[j][i]].copy_(block[(i * nodes + j) * k:(i * nodes + j + 1) * k])
+
+    def reduce_scatter(self, inps: Sequence[torch.Tensor], out: torch.Tensor, code: Any,
+                       fn: Callable[..., Any]) -> None:
+        """``inps[r]``: the part for group rank r.  ``out`` gets the reduction of this rank's part."""
+        nodes, k, grid = self.plan.nodes, out.numel(), self.plan.grid
+        supers = [torch.cat([inps[grid[j][i]] for j in range(nodes)]) for i in range(self.n)]
+        node_sum = torch.empty(nodes * k, dtype=out.dtype)
+        self.eng.reduce_scatter(supers, node_sum, fn)
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp(code)
+        self.cross.reduce_scatter([out], [list(node_sum.view(nodes, k))], opts).wait()
+
+    def barrier(self) -> None:
+        self.eng.barrier()
+        self.cross.barrier().wait()
+
+    def _where(self, rank: int) -> tuple:
+        for j, row in enumerate(self.plan.grid):
+            if rank in row:
+                return j, row.index(rank)
+        raise BackendError(f"rank {rank} is not in this group", fix="pass a rank of the group")
+
+    # reduce, gather and scatter through the collectives above: nothing leaves shared memory
+    # between a node's ranks, and they are rare in training (checkpoints, object collectives)
+
+    def reduce(self, flat: torch.Tensor, root: int, code: Any, fn: Callable[..., Any]) -> None:
+        tmp = flat.clone()
+        self.all_reduce(tmp, code, fn)
+        if self.eng.rank == root:
+            flat.copy_(tmp)
+
+    def gather(self, inp: torch.Tensor, outs: Optional[Sequence[torch.Tensor]], root: int, size: int) -> None:
+        tmp = [torch.empty_like(inp) for _ in range(size)]
+        self.all_gather(inp, tmp)
+        if self.eng.rank == root and outs is not None:
+            for o, t in zip(outs, tmp):
+                o.copy_(t)
+
+    def scatter(self, inps: Optional[Sequence[torch.Tensor]], out: torch.Tensor, root: int, size: int) -> None:
+        k = out.numel()
+        packed = torch.cat(list(inps)) if self.eng.rank == root and inps is not None else torch.empty(
+            size * k, dtype=torch.uint8)
+        self.broadcast(packed, root)
+        mine = self.eng.rank
+        out.copy_(packed[mine * k:(mine + 1) * k])
+

@@ -1,0 +1,105 @@
+"""The argument forms torch calls a process group with, reduced to what the shm group needs,
+and the size checks each collective makes before it moves anything.
+
+torch's Python API and its C++ callers pass option objects (``AllreduceOptions`` and kin); the
+pybind overloads also let a user call ``pg.allreduce(tensor)``, ``pg.broadcast(tensor, root)``
+and so on.  Each helper here accepts both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from cpuddp.errors import BackendError
+
+__all__ = ["one_tensor", "reduce_op", "options", "overlaps", "split_rows", "same_as_input", "root_of"]
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def one_tensor(tensors: Any, what: str) -> List[torch.Tensor]:
+    """torch passes ``[tensor]``; the legacy multi-device form (several) is an error here."""
+    if isinstance(tensors, torch.Tensor):
+        return [tensors]
+    tensors = list(tensors)
+    if len(tensors) != 1:
+        raise BackendError(f"{what} got {len(tensors)} tensors for one rank: the shm backend takes one tensor per "
+                           "rank (a CPU rank has one device)",
+                           fix="pass one tensor (for several, use the coalesced form or one call each)")
+    return tensors
+
+
+def reduce_op(opts: Any, args: Sequence[Any] = (), kw: Any = None) -> Any:
+    """The reduce op (a ``RedOpType``) of an options object, a positional op, or ``op=``."""
+    op = getattr(opts, "reduceOp", None)
+    if op is None:
+        if opts is not None and not hasattr(opts, "timeout"):
+            op = opts
+        else:
+            op = args[0] if args else (kw or {}).get("op")
+    if op is None:
+        return dist.ReduceOp.RedOpType.SUM
+    return op.op if hasattr(op, "op") else dist.ReduceOp(op).op
+
+
+def root_of(opts: Any, positional: Any, kw: Any) -> Any:
+    """The root of an options object (``rootRank``), or of the ``(tensor, root, ...)`` overload."""
+    if hasattr(opts, "rootRank"):
+        return opts.rootRank
+    if positional is not None:
+        return positional
+    return kw.get("root", 0)
+
+
+def options(cls: Any, **values: Any) -> Any:
+    """An options object of ``cls`` (for the inner gloo group) with ``values`` set."""
+    o = cls()
+    for k, v in values.items():
+        setattr(o, k, dist.ReduceOp(v) if k == "reduceOp" else v)
+    return o
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Do two tensors share bytes?"""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def same_as_input(outs: Sequence[torch.Tensor], inp: torch.Tensor, size: int, rank: int, what: str) -> List[torch.Tensor]:
+    """``size`` output tensors of ``inp``'s element count and dtype, or an error naming them."""
+    outs = list(outs)
+    if len(outs) != size or any(o.numel() != inp.numel() or o.dtype != inp.dtype for o in outs):
+        shown = [(tuple(o.shape), _name(o.dtype)) for o in outs]
+        raise BackendError(f"{what}: rank {rank} passed tensors {shown} beside one of {tuple(inp.shape)} "
+                           f"{_name(inp.dtype)}", fix=f"pass {size} tensors of that size and dtype")
+    return outs
+
+
+def whole_of(big: torch.Tensor, part: torch.Tensor, size: int, rank: int, what: str) -> None:
+    """``big`` holds ``size`` times ``part``'s elements, in ``part``'s dtype, or an error."""
+    if big.numel() != size * part.numel() or big.dtype != part.dtype:
+        raise BackendError(f"{what}: rank {rank} passed {big.numel()} {_name(big.dtype)} elements for a part of "
+                           f"{part.numel()} {_name(part.dtype)}",
+                           fix=f"pass {size} x the part's elements in its dtype")
+
+
+def split_rows(t: torch.Tensor, sizes: Any, n: int, what: str) -> List[torch.Tensor]:
+    """``t`` split along dim 0 into ``sizes`` rows (equal parts when empty)."""
+    rows = t.shape[0] if t.dim() else 1
+    sizes = list(sizes or [])
+    if not sizes:
+        if rows % n:
+            raise BackendError(f"all_to_all_single: the {what} has {rows} rows, not a multiple of {n} ranks",
+                               fix=f"pass {what}_split_sizes")
+        sizes = [rows // n] * n
+    if len(sizes) != n or sum(sizes) != rows or min(sizes) < 0:
+        raise BackendError(f"all_to_all_single: {what}_split_sizes {sizes} do not split {rows} rows among {n} ranks",
+                           fix=f"pass {n} non-negative sizes that add up to the {what}'s first dimension")
+    return list(torch.split(t, sizes)) if t.dim() else [t]

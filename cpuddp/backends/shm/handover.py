@@ -1,0 +1,382 @@
+"""Handing the node's segment (and the ranks' point-to-point sockets) from local rank 0 to its
+local peers, over an abstract Unix socket whose every peer is checked.
+
+Local rank 0 makes the segment (:func:`cpuddp.backends.shm.segment.create_segment`) and one
+``socketpair`` per pair of local ranks, binds a listening socket with a random abstract name,
+and publishes ``sock<TAB>name<TAB>token<TAB>slot`` under the group's ``seg/<rank>`` key.  Each
+local peer connects, and both ends check the other's credentials (``SO_PEERCRED``: this uid;
+the expected pid where the PID namespace is shared):
+
+* local rank 0 checks a connection right after ``accept()``, before reading a byte: another
+  user's connection is closed at once (and logged with its uid and pid); it serves every
+  connection without blocking (``selectors``), so a process that connects and sends nothing
+  holds only its own connection, which is dropped after :data:`HELLO_WITHIN` seconds;
+* the peer checks that the listening end is this uid (and rank 0's pid) before it says which
+  local rank it is, receives the descriptors (``SCM_RIGHTS``), checks the segment
+  (:func:`cpuddp.backends.shm.segment.check_received`) and answers ``ok`` or its error.
+
+A failure on any local rank is published in the store (``ready/<rank 0>``, ``mapped/<rank>``)
+and raised on all of them at once (:func:`map_segment`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import secrets
+import selectors
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from cpuddp.errors import BackendError
+from cpuddp.launchers.hosts import pid_alive
+
+from . import check as shm_check
+from .node import NodePlan
+from .segment import FIX, Segment, check_received, create_segment
+
+__all__ = ["map_segment", "parse_offer", "HELLO_WITHIN"]
+
+log = logging.getLogger("cpuddp.shm")
+
+_PEER_FIX = "the fix is in that rank's own error (and docs/security.md if another user is named)"
+_STORE_FIX = "give the job a store only it uses (its own MASTER_PORT), and see docs/security.md"
+_SOCK_RE = re.compile(r"^[0-9a-f]{32}$")
+_SOCK_PREFIX = b"\0cpuddp-shm-"
+_MAX_SLOT = 1 << 30
+_POLL = 0.05
+#: How long a connection of this uid may stay silent before local rank 0 drops it.
+HELLO_WITHIN = 1.0
+#: How long a failed local rank 0 (which may host the store) stays for its peers to read why.
+_LINGER = 10.0
+
+
+def _peer_cred(conn: socket.socket) -> Tuple[int, int]:
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
+
+
+def _cred_problem(conn: socket.socket, expected_pids: Optional[set]) -> Optional[str]:
+    """Why the process at the other end of ``conn`` is not one of ours (None when it is)."""
+    pid, uid = _peer_cred(conn)
+    if uid != os.geteuid():
+        return f"runs as uid {uid} (pid {pid}), not this job's uid {os.geteuid()}: another user"
+    if expected_pids is not None and pid not in expected_pids:
+        return f"is pid {pid}, not the expected pid {' or '.join(str(p) for p in sorted(expected_pids))}"
+    return None
+
+
+def parse_offer(raw: bytes, key: str) -> Tuple[str, int, int]:
+    """Local rank 0's offer under ``key``: ``sock<TAB>name<TAB>token<TAB>slot``, checked."""
+    text = raw.decode(errors="replace")
+    if text.startswith("error\t"):
+        raise BackendError(text.split("\t", 1)[1], fix=FIX)
+    parts = text.split("\t")
+    try:
+        name, token, slot = parts[1], int(parts[2]), int(parts[3])
+        ok = (len(parts) == 4 and parts[0] == "sock" and _SOCK_RE.match(name) is not None
+              and 0 < token < (1 << 62) + 1 and shm_check.PAGE <= slot <= _MAX_SLOT and slot % shm_check.PAGE == 0)
+    except (IndexError, ValueError):
+        ok = False
+    if not ok:
+        raise BackendError(f"store key {key} holds {raw[:100]!r}, not local rank 0's shared-memory offer",
+                           fix=_STORE_FIX)
+    return name, token, slot
+
+
+# --------------------------------------------------------------------------- local rank 0
+
+
+@dataclass
+class _Conn:
+    """One accepted connection of this uid: waiting for its hello, then for its reply."""
+
+    sock: socket.socket
+    since: float
+    buf: bytes = b""
+    local_rank: Optional[int] = None  # set once the descriptors went out
+
+
+@dataclass
+class _Server:
+    """Local rank 0's side: serve every local peer its descriptors, never blocking on one."""
+
+    srv: socket.socket
+    plan: NodePlan
+    store: Any
+    deadline: float
+    fds_for: Callable[[int], Tuple[bytes, List[int]]]
+    pending: Dict[int, int] = field(default_factory=dict)  # local rank -> group rank, not served yet
+
+    def run(self) -> None:
+        self.pending = {lr: r for lr, r in enumerate(self.plan.local) if lr != 0}
+        conns: Dict[socket.socket, _Conn] = {}
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.srv, selectors.EVENT_READ)
+            try:
+                while self.pending:
+                    for key, _ in sel.select(_POLL):
+                        if key.fileobj is self.srv:
+                            self._accept(sel, conns)
+                        else:
+                            self._read(sel, conns, conns[key.fileobj])  # type: ignore[index]
+                    self._drop_silent(sel, conns)
+                    self._peers_failed()
+            finally:
+                for c in conns.values():
+                    c.sock.close()
+
+    def _expected_pids(self) -> Optional[set]:
+        pids = {self.plan.peer_pids.get(r) for r in self.pending.values()}
+        return None if None in pids else pids  # a peer in another PID namespace: uid only
+
+    def _accept(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn]) -> None:
+        sock, _ = self.srv.accept()
+        problem = _cred_problem(sock, self._expected_pids())
+        if problem is not None:
+            log.warning("cpuddp.shm: refused a connection to the hand-over socket: the process %s", problem)
+            sock.close()
+            return
+        sock.setblocking(False)
+        conns[sock] = _Conn(sock, time.monotonic())
+        sel.register(sock, selectors.EVENT_READ)
+
+    def _read(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn], c: _Conn) -> None:
+        try:
+            data = c.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if c.local_rank is None:
+            self._hello(sel, conns, c, data)
+        else:
+            self._reply(sel, conns, c, data)
+
+    def _close(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn], c: _Conn) -> None:
+        sel.unregister(c.sock)
+        conns.pop(c.sock, None)
+        c.sock.close()
+
+    def _hello(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn], c: _Conn, data: bytes) -> None:
+        c.buf += data
+        if data and b"\n" not in c.buf and len(c.buf) < 32:
+            return
+        text = c.buf.split(b"\n", 1)[0].decode(errors="replace")
+        lr = int(text) if text.isdigit() else -1
+        pid = self.plan.peer_pids.get(self.pending.get(lr, -1))
+        problem = None if lr in self.pending else f"said it is local rank {text[:16]!r}, which is not waiting"
+        if problem is None and pid is not None:
+            problem = _cred_problem(c.sock, {pid})
+        if problem is not None:
+            log.warning("cpuddp.shm: refused a hand-over request: the process %s", problem)
+            self._close(sel, conns, c)
+            return
+        msg, fds = self.fds_for(lr)
+        c.sock.setblocking(True)
+        c.sock.settimeout(HELLO_WITHIN)
+        socket.send_fds(c.sock, [msg], fds)
+        c.sock.setblocking(False)
+        c.local_rank, c.buf = lr, b""
+
+    def _reply(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn], c: _Conn, data: bytes) -> None:
+        c.buf += data
+        if data and c.buf != b"ok" and len(c.buf) < 4000 and not b"\n" in c.buf:
+            return
+        lr = c.local_rank
+        self._close(sel, conns, c)
+        if c.buf != b"ok":
+            text = c.buf.decode(errors="replace").strip() or "it closed the connection (died?)"
+            raise BackendError(f"local rank {lr} (rank {self.pending.get(lr)}) could not map the segment: {text}",
+                               fix=FIX)
+        self.pending.pop(lr, None)  # type: ignore[arg-type]
+
+    def _drop_silent(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn]) -> None:
+        now = time.monotonic()
+        for c in list(conns.values()):
+            if c.local_rank is None and now - c.since > HELLO_WITHIN:
+                pid, _ = _peer_cred(c.sock)
+                log.warning("cpuddp.shm: dropped a connection to the hand-over socket that said nothing for %.0f s "
+                            "(pid %d)", HELLO_WITHIN, pid)
+                self._close(sel, conns, c)
+
+    def _peers_failed(self) -> None:
+        for lr, r in self.pending.items():
+            key = f"mapped/{r}"
+            if self.store.check([key]):
+                raise BackendError(
+                    f"local rank {lr}: {self.store.get(key).decode(errors='replace').split(chr(9), 1)[-1]}",
+                    fix=_PEER_FIX)
+            pid = self.plan.peer_pids.get(r)
+            if pid is not None and not pid_alive(pid):
+                raise BackendError(f"local rank {lr} (rank {r}, pid {pid}) died before it mapped the segment", fix=FIX)
+        if time.monotonic() > self.deadline:
+            raise BackendError(f"local rank(s) {sorted(self.pending)} did not ask for the segment within the group "
+                               "timeout", fix=FIX)
+
+
+def _socket_pairs(n: int) -> Dict[Tuple[int, int], socket.socket]:
+    """One connected ``socketpair`` per pair of local ranks: ``ends[(a, b)]`` is a's end to b."""
+    ends: Dict[Tuple[int, int], socket.socket] = {}
+    for a in range(n):
+        for b in range(a + 1, n):
+            ends[(a, b)], ends[(b, a)] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return ends
+
+
+def _create_and_serve(store: Any, key: str, plan: NodePlan, deadline: float,
+                      slot: int) -> Tuple[Segment, Dict[int, socket.socket]]:
+    fd, token = create_segment(plan.local_size, slot)
+    ends = _socket_pairs(plan.local_size)
+    try:
+        seg = Segment(fd, 0, plan.local_size, slot)
+        seg.hold_liveness()
+
+        def fds_for(lr: int) -> Tuple[bytes, List[int]]:
+            return struct.pack("q", token), [fd] + [ends[(lr, j)].fileno() for j in range(plan.local_size) if j != lr]
+
+        name = secrets.token_hex(16)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
+            srv.bind(_SOCK_PREFIX + name.encode())
+            srv.listen(max(8, plan.local_size))
+            store.set(key, f"sock\t{name}\t{token}\t{slot}")
+            _Server(srv, plan, store, deadline, fds_for).run()
+    except BaseException:
+        os.close(fd)
+        for s in ends.values():
+            s.close()
+        raise
+    mine = {j: ends.pop((0, j)) for j in range(1, plan.local_size)}
+    for s in ends.values():  # the peers hold theirs now
+        s.close()
+    return seg, mine
+
+
+# --------------------------------------------------------------------------- the other local ranks
+
+
+def _fetch(name: str, token: int, plan: NodePlan, slot: int, deadline: float) -> Tuple[int, List[int]]:
+    """A peer: connect to local rank 0's socket, check it, receive and check the descriptors."""
+    rank0 = plan.local[0]
+    pid0 = plan.peer_pids.get(rank0)
+    want = plan.local_size  # the segment and one socket per other local rank
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(max(1.0, deadline - time.monotonic()))
+        try:
+            conn.connect(_SOCK_PREFIX + name.encode())
+        except OSError as exc:
+            raise BackendError(f"cannot reach local rank 0's shared-memory hand-over socket: {exc.strerror} "
+                               "(ranks with the same host identity in different network namespaces?)",
+                               fix=FIX) from exc
+        problem = _cred_problem(conn, None if pid0 is None else {pid0})
+        if problem is not None:
+            raise BackendError(f"the process at the other end of the shared-memory hand-over (local rank 0) {problem}; "
+                               "refusing", fix="see docs/security.md (something else writes to this job's store)")
+        conn.sendall(f"{plan.local_rank}\n".encode())
+        msg, fds, _flags, _addr = socket.recv_fds(conn, 64, want)
+        if len(fds) != want or msg != struct.pack("q", token):
+            for f in fds:
+                os.close(f)
+            raise BackendError("local rank 0's socket did not hand over this group's segment", fix=FIX)
+        try:  # an open file description of our own: its liveness lock is ours alone
+            fd = os.open(f"/proc/self/fd/{fds[0]}", os.O_RDWR | os.O_CLOEXEC)
+        finally:
+            os.close(fds[0])
+        try:
+            check_received(fd, token, plan.local_size, slot)
+        except BaseException as exc:
+            os.close(fd)
+            for f in fds[1:]:
+                os.close(f)
+            with contextlib.suppress(OSError):
+                conn.sendall(str(getattr(exc, "msg", exc)).encode()[:4000])
+            raise
+        conn.sendall(b"ok")
+    return fd, fds[1:]
+
+
+def _attach(store: Any, key: str, plan: NodePlan, deadline: float) -> Tuple[Segment, Dict[int, socket.socket]]:
+    rank0 = plan.local[0]
+    pid0 = plan.peer_pids.get(rank0)
+    raw = _wait_key(store, key, deadline, "waiting for local rank 0's shared-memory segment",
+                    lambda: None if pid0 is None or pid_alive(pid0) else f"local rank 0 (rank {rank0}, pid {pid0}) died")
+    name, token, slot = parse_offer(raw, key)
+    fd, others = _fetch(name, token, plan, slot, deadline)
+    peers = [j for j in range(plan.local_size) if j != plan.local_rank]
+    socks = {j: socket.socket(fileno=f) for j, f in zip(peers, others)}
+    try:
+        seg = Segment(fd, plan.local_rank, plan.local_size, slot)
+        seg.hold_liveness()
+    except BaseException:
+        os.close(fd)
+        for s in socks.values():
+            s.close()
+        raise
+    return seg, socks
+
+
+def _wait_key(store: Any, key: str, deadline: float, what: str, failed: Callable[[], Optional[str]]) -> bytes:
+    """Poll the store for ``key`` while ``failed()`` has nothing to say, until ``deadline``."""
+    while True:
+        if store.check([key]):
+            return store.get(key)
+        why = failed()
+        if why is not None:
+            raise BackendError(f"{what}: {why}", fix=FIX)
+        if time.monotonic() > deadline:
+            raise BackendError(f"{what}: store key {key} did not appear within the group timeout", fix=FIX)
+        time.sleep(_POLL)
+
+
+def _linger_for_peers(store: Any, plan: NodePlan, until: float) -> None:
+    """Local rank 0 failed: wait (bounded) until each live local peer has read the error and said so."""
+    for r in plan.local[1:]:
+        pid = plan.peer_pids.get(r)
+        while not store.check([f"mapped/{r}"]) and time.monotonic() < until:
+            if pid is not None and not pid_alive(pid):
+                break
+            time.sleep(_POLL)
+
+
+def map_segment(store: Any, rank: int, plan: NodePlan, timeout: float,
+                slot: int) -> Tuple[Segment, Dict[int, socket.socket]]:
+    """Map the node's segment on every local rank; also each rank's socket to every other local
+    rank (``{local rank: socket}``).  Any local rank's failure is raised on all, fast."""
+    deadline = time.monotonic() + timeout
+    key, ready = f"seg/{plan.local[0]}", f"ready/{plan.local[0]}"
+    try:
+        if plan.local_rank == 0:
+            seg, socks = _create_and_serve(store, key, plan, deadline, slot)
+        else:
+            seg, socks = _attach(store, key, plan, deadline)
+    except BaseException as exc:
+        _publish_failure(store, rank, plan, key, ready, deadline, exc)
+        raise
+    if plan.local_rank == 0:
+        store.set(ready, "ok")
+        return seg, socks
+    got = _wait_key(store, ready, deadline, "waiting for the node's ranks to map the segment",
+                    lambda: None if seg.alive(0) else "local rank 0 died")
+    if got != b"ok":
+        seg.close()
+        raise BackendError("the shared-memory segment could not be mapped: "
+                           + got.decode(errors="replace").split("\t", 1)[-1], fix=FIX)
+    return seg, socks
+
+
+def _publish_failure(store: Any, rank: int, plan: NodePlan, key: str, ready: str, deadline: float,
+                     exc: BaseException) -> None:
+    status = f"error\trank {rank}: {getattr(exc, 'msg', exc)}"
+    with contextlib.suppress(Exception):
+        if plan.local_rank == 0:
+            store.set(ready, status)
+            if not store.check([key]):
+                store.set(key, status)
+            _linger_for_peers(store, plan, min(deadline, time.monotonic() + _LINGER))
+        else:
+            store.set(f"mapped/{rank}", status)

@@ -1,0 +1,202 @@
+"""Where a shm group's collectives run: in the caller's thread, or queued on one communication
+thread per group, always in issue order.
+
+The rule (``CPUDDP_SHM_ASYNC``, or :class:`~cpuddp.backends.shm.group.ShmOptions`
+``async_comm``): a collective runs in the caller's thread unless the group was told that this
+rank has a CPU its compute threads do not use (a plan that leaves one free), or the user asked
+for the thread; then collectives of :data:`ASYNC_FROM` bytes and more are queued, and DDP's
+backward goes on while they run.  On a rank whose compute threads fill its CPUs the thread
+can only take CPU time from backward: measured on 2 ranks x 1 core (docs/performance.md),
+DDP ran slower with it than without.
+
+Every collective returns a :class:`ShmWork`; its ``wait()`` raises the collective's error.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import threading
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from cpuddp.errors import BackendError
+
+__all__ = ["Stream", "ShmWork", "GatheredWork", "TimedWork", "async_setting", "ASYNC_VAR", "ASYNC_FROM"]
+
+ASYNC_VAR = "CPUDDP_SHM_ASYNC"
+#: With the communication thread on, collectives at least this big are queued on it; smaller
+#: ones run in the caller's thread when nothing is queued (the thread hop costs more than
+#: overlap could win: DDP's buckets are 1 MiB and up).
+ASYNC_FROM = 256 << 10
+_JOIN_TIMEOUT = 10.0
+
+
+def async_setting(option: Optional[bool], environ: Any = os.environ) -> bool:
+    """``CPUDDP_SHM_ASYNC`` (``1``/``0``) when set, else the group's option (False when None)."""
+    raw = (environ.get(ASYNC_VAR) or "").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    if raw and raw != "auto":
+        raise BackendError(f"{ASYNC_VAR}={environ.get(ASYNC_VAR)!r} is neither 1, 0 nor auto",
+                           fix=f"set {ASYNC_VAR}=1 (a communication thread), 0 (the caller's thread) or auto, "
+                               "or unset it")
+    return bool(option)
+
+
+class ShmWork(dist.Work):
+    """A collective's handle: ``wait()`` raises its error (the Work torch makes from a future
+    does not), ``get_future()`` is what DDP's reducer chains on."""
+
+    def __init__(self, fut: "torch.futures.Future[Any]") -> None:
+        super().__init__()
+        self._fut = fut
+
+    @classmethod
+    def done(cls, result: Any) -> "ShmWork":
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(result)
+        return cls(fut)
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        if timeout is not None and timeout.total_seconds() > 0 and not self._fut.done():
+            finished = threading.Event()
+            self._fut.add_done_callback(lambda _f: finished.set())
+            if not finished.wait(timeout.total_seconds()):
+                raise dist.DistBackendError(f"shm: the collective did not finish within {timeout}")
+        self._fut.wait()  # raises the collective's error
+        return True
+
+    def get_future(self) -> "torch.futures.Future[Any]":
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.value()
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
+    def result(self) -> Any:
+        return self._fut.value()
+
+
+class GatheredWork(dist.Work):
+    """Several inner Works as one (a gloo group's coalesced forms; a staged send/recv), with
+    ``after()`` run once they all finished (a staged recv's copy back)."""
+
+    def __init__(self, works: Sequence[Any], result: Any, after: Optional[Callable[[], None]] = None) -> None:
+        super().__init__()
+        self._works, self._result, self._after = list(works), result, after
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        for w in self._works:
+            w.wait()
+        after, self._after = self._after, None
+        if after is not None:
+            after()
+        return True
+
+    def get_future(self) -> "torch.futures.Future[Any]":
+        self.wait()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self._result)
+        return fut
+
+
+class TimedWork(ShmWork):
+    """A point-to-point Work: like :class:`ShmWork`, and its ``wait()`` gives up after the group
+    timeout (a send or recv the peer never matches)."""
+
+    def __init__(self, fut: "torch.futures.Future[Any]", timeout: datetime.timedelta) -> None:
+        super().__init__(fut)
+        self._timeout = timeout
+
+    def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        limit = timeout if timeout is not None and timeout.total_seconds() > 0 else self._timeout
+        if not self._fut.done():
+            finished = threading.Event()
+            self._fut.add_done_callback(lambda _f: finished.set())
+            if not finished.wait(limit.total_seconds()):
+                raise dist.DistBackendError(f"shm: send/recv did not finish within {limit} (the group timeout)")
+        self._fut.wait()
+        return True
+
+
+class Stream:
+    """Runs a group's collectives one at a time, in issue order: inline, or on its thread."""
+
+    def __init__(self, rank: int, threaded: bool, on_error: Callable[[BaseException], None],
+                 thread_setup: Callable[[], None]) -> None:
+        self._lock = threading.Lock()  # the queue's state
+        self._exec = threading.Lock()  # one collective at a time
+        self._on_error = on_error
+        self._pending = 0
+        self._closed = False
+        self._q: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        if threaded:
+            self._thread = threading.Thread(target=self._loop, args=(thread_setup,), name=f"cpuddp-shm-comm-{rank}",
+                                            daemon=True)
+            self._thread.start()
+
+    def run(self, fn: Callable[[], None], result: Any, nbytes: int) -> ShmWork:
+        """Run ``fn`` (one collective) and return its Work."""
+        with self._lock:
+            if self._closed:
+                raise dist.DistBackendError("the shm process group was shut down")
+            queued = self._thread is not None and (self._pending or nbytes >= ASYNC_FROM)
+            if queued:
+                fut: torch.futures.Future = torch.futures.Future()
+                self._pending += 1
+                self._q.put((fn, result, fut))
+                return ShmWork(fut)
+            self._exec.acquire()
+        try:
+            fn()
+        except BaseException as exc:
+            self._on_error(exc)
+            raise
+        finally:
+            self._exec.release()
+        return ShmWork.done(result)
+
+    def _loop(self, thread_setup: Callable[[], None]) -> None:
+        thread_setup()
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, result, fut = item
+            error: Optional[BaseException] = None
+            with self._exec:
+                try:
+                    fn()
+                except BaseException as exc:  # every error reaches the caller's wait()
+                    self._on_error(exc)
+                    error = exc
+            with self._lock:
+                self._pending -= 1
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error if isinstance(error, Exception) else dist.DistBackendError(str(error)))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._q.put(None)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(_JOIN_TIMEOUT)

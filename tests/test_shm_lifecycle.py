@@ -1,0 +1,191 @@
+"""The shm group's lifecycle: formed again in the same processes (torchrun, mpiexec), used after
+shutdown, forked, and handed over while a neighbour stalls the hand-over socket.
+
+Every scenario runs real processes (tests/scripts/shm_lifecycle.py, under the real launcher or as
+plain env:// ranks) with a timeout; each rank writes a JSON report the test reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import launchers_util
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "tests" / "scripts" / "shm_lifecycle.py"
+
+
+def _reports(outdir: Path, n: int, proc: subprocess.CompletedProcess | None = None) -> list[dict]:
+    out = []
+    for r in range(n):
+        path = outdir / f"rank{r}.json"
+        if path.exists():
+            out.append(json.loads(path.read_text()))
+        else:
+            out.append({"missing": True, "log": (proc.stdout + proc.stderr)[-3000:] if proc else ""})
+    return out
+
+
+@pytest.mark.parametrize("kind", ["torchrun", "mpich"])
+def test_init_shutdown_init_again_in_the_same_processes(kind, tmp_path):
+    proc = launchers_util.run(kind, 2, [str(SCRIPT), "reinit", str(tmp_path)], timeout=240)
+    for r in _reports(tmp_path, 2, proc):
+        assert "crash" not in r and "missing" not in r, r
+        for i in range(3):
+            assert r[f"round{i}"].get("ok") == 3.0, r
+        assert r["gloo"].get("ok") == 3.0, r
+        beside = r["shm_beside_gloo"]
+        assert beside.get("type") == "BackendError", r
+        assert "while a 'gloo' process group exists" in beside["error"] and "cpuddp.shutdown()" in beside["error"]
+
+
+def test_a_group_used_after_shutdown_says_so(tmp_path):
+    proc = launchers_util.run("torchrun", 2, [str(SCRIPT), "after_shutdown", str(tmp_path)], timeout=180)
+    for r in _reports(tmp_path, 2, proc):
+        assert "crash" not in r and "missing" not in r, r
+        assert r["before"].get("ok") == 3.0, r
+        assert r["handle"].get("type") == "GroupShutDownError", r
+        assert "was shut down" in r["handle"]["error"], r
+        assert "was shut down" in r["ddp"].get("error", ""), r  # DDP's reducer gets the same error
+        assert "NoneType" not in json.dumps(r), r
+
+
+def _plain(mode: str, tmp_path: Path, prefix1: tuple = (), timeout: float = 120) -> list[dict]:
+    from shm_util import launch_ranks
+
+    return launch_ranks(SCRIPT, 2, mode, tmp_path, timeout=timeout, prefix=((), prefix1))
+
+
+def test_a_forked_child_neither_uses_nor_ends_the_parents_group(tmp_path):
+    for r in _plain("fork", tmp_path):
+        assert "crash" not in r and "output" not in r, r
+        assert r["child_exit"] == 0, r  # the child's collective raised GroupShutDownError (its exit code 0)
+        assert r["after_child"].get("ok") == 3.0, r  # the child's atexit shutdown did not mark the parent left
+        assert r["dataloader"].get("ok") == 8, r  # each rank's loader: 64 samples in batches of 8
+        assert r["after_loader"].get("ok") == 3.0, r
+
+
+def _pid_namespace_prefix() -> tuple:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a rank in another PID namespace")
+    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --pid is refused here: {probe.stderr.decode()[:200]}")
+    # sh stays PID 1 of the namespace, so the rank's forked child outlives the rank
+    return ("unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", '"$@"; exit $?', "sh")
+
+
+@pytest.mark.parametrize("namespace", [False, True], ids=["same-pid-namespace", "own-pid-namespace"])
+def test_a_rank_whose_forked_child_outlives_it_is_seen_dead_at_once(tmp_path, namespace):
+    prefix = _pid_namespace_prefix() if namespace else ()
+    r0, r1 = _plain("fork_then_die", tmp_path, prefix1=prefix)
+    assert r0.get("first", {}).get("ok") == 3.0, (r0, r1)
+    if namespace:
+        assert r0["pid_ns"] != r1.get("pid_ns"), "rank 1 did not run in a PID namespace of its own"
+    second = r0["second"]
+    assert "died" in second.get("error", ""), r0
+    assert second["seconds"] < 2, r0  # not the group timeout (60 s): the liveness lock went with rank 1
+
+
+# --------------------------------------------------------------------------- a stalled hand-over
+
+WATCH = r"""
+import datetime, sys, time
+import torch.distributed as dist
+host, port, key, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=60))
+deadline = time.monotonic() + 60
+while not store.check([key]) and time.monotonic() < deadline:
+    time.sleep(0.002)
+open(out + ".tmp", "w").write(store.get(key).decode().split("\t")[1])
+import os; os.rename(out + ".tmp", out)
+"""
+
+#: standard library only: it may run as another user, who cannot read the job's virtual environment
+KNOCK = r"""
+import json, os, socket, sys, time
+path = sys.argv[1]
+deadline = time.monotonic() + 60
+while not os.path.exists(path) and time.monotonic() < deadline:
+    time.sleep(0.002)
+name = open(path).read()
+conns = []
+for _ in range(3):  # connect and say nothing
+    c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    c.connect(b"\0cpuddp-shm-" + name.encode())
+    conns.append(c)
+print(json.dumps({"connected": len(conns), "uid": os.geteuid()}), flush=True)
+time.sleep(20)
+"""
+
+
+def _python_for(uid: int | None) -> str:
+    if uid is None:
+        return sys.executable
+    from test_shm_faults import _system_python
+
+    return _system_python()
+
+
+@pytest.mark.parametrize("who", ["same-user", "other-user"])
+def test_a_neighbour_that_connects_to_the_hand_over_and_says_nothing_delays_nobody(tmp_path, who):
+    from failure_scripts.procs import free_port
+    from cpuddp.testing import clean_environ
+
+    uid = None
+    if who == "other-user":
+        import tempfile
+
+        from test_shm_faults import _intruder_uid
+
+        uid = _intruder_uid()
+        tmp_path = Path(tempfile.mkdtemp(prefix="cpuddp-stall-", dir="/tmp"))  # pytest's is private to root
+        os.chmod(tmp_path, 0o755)
+    port = free_port()
+    for name, text in (("watch.py", WATCH), ("knock.py", KNOCK)):
+        (tmp_path / name).write_text(text)
+        os.chmod(tmp_path / name, 0o644)
+    name_file = tmp_path / "socket-name"
+    watcher = subprocess.Popen([sys.executable, str(tmp_path / "watch.py"), "127.0.0.1", str(port),
+                                "default_pg/0//cpu//shm/1/seg/0", str(name_file)], env=clean_environ(os.environ),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    knocker = subprocess.Popen([_python_for(uid), str(tmp_path / "knock.py"), str(name_file)], user=uid, group=uid,
+                               env={"PATH": "/usr/bin:/bin"}, cwd="/tmp", stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    procs = []
+    for r in range(2):
+        e = clean_environ(os.environ)
+        e.update(RANK=str(r), WORLD_SIZE="2", LOCAL_RANK=str(r), LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                 MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        code = ("import sys, time, json, torch, torch.distributed as dist, cpuddp.shm; t0 = time.monotonic(); "
+                "dist.init_process_group('shm'); t1 = time.monotonic(); x = torch.ones(3); dist.all_reduce(x); "
+                "dist.barrier(); print(json.dumps({'init_s': t1 - t0, 'sum': x[0].item()}))")
+        procs.append(subprocess.Popen([sys.executable, "-c", code], env=e, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))
+        if r == 0:
+            time.sleep(0.5)  # the store is up before the other rank and the staller knock
+    try:
+        outs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in (*procs, watcher, knocker):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    knocked = knocker.communicate(timeout=10)[0]
+    results = [json.loads(o.strip().splitlines()[-1]) for o in outs]
+    assert '"connected": 3' in knocked, (knocked, watcher.communicate(timeout=10)[0])
+    for r, res in enumerate(results):
+        assert res["sum"] == 2.0, outs
+        assert res["init_s"] < 15, outs  # a staller would have held init for the group timeout (300 s)
+    if who == "other-user":
+        assert "refused a connection to the hand-over socket" in outs[0] and "another user" in outs[0], outs[0]
