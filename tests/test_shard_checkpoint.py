@@ -1,9 +1,10 @@
-"""Sharded checkpoints across world sizes, through ``torch.distributed.checkpoint`` directly.
+"""Sharded checkpoints across world sizes: through ``torch.distributed.checkpoint`` directly, and
+through cpuddp's training checkpoint (``save_checkpoint``/``load_checkpoint``).
 
-A run saved with shard="full" on 2 ranks (``get_state_dict`` + ``dcp.save``: every rank writes
-its shards) resumes on 1 rank, on 2 ranks with shard="full" and on 2 ranks with shard=None: the
-weights after loading equal the saved ones, and training goes on as the uninterrupted run did.
-The same for a run saved with shard="optimizer" (whose optimizer gives DCP its whole state).
+A run saved with shard="full" on 2 ranks (every rank writes its shards) resumes on 1 rank, on 2
+ranks with shard="full" and on 2 ranks with shard=None: the weights after loading equal the
+saved ones, and training goes on as the uninterrupted run did.  The same for a run saved with
+shard="optimizer" (whose optimizer gives its whole state: one file, written by rank 0).
 """
 
 from __future__ import annotations
@@ -54,36 +55,50 @@ def _whole(model: nn.Module) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters()}
 
 
-def _save_run(path: str, shard: str):
-    """Train SAVED_AT steps, save (DCP), go on MORE steps: (weights at the save, the later losses)."""
+def _save(path: str, model: nn.Module, opt, via: str) -> None:
+    if via == "cpuddp":
+        cpuddp.save_checkpoint(path, step=SAVED_AT, model=model, optimizer=opt)
+        return
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+
+
+def _load(path: str, model: nn.Module, opt, via: str) -> None:
+    if via == "cpuddp":
+        assert cpuddp.load_checkpoint(path, model=model, optimizer=opt).step == SAVED_AT
+        return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _save_run(path: str, shard: str, via: str):
+    """Train SAVED_AT steps, save, go on MORE steps: (weights at the save, the later losses)."""
     model = _mlp()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     m = cpuddp.prepare(model, opt, shard=shard, shard_blocks=[nn.Linear] if shard == "full" else None)
     _steps(m, opt, 0, SAVED_AT)
-    msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    _save(path, m, opt, via)
     saved = _whole(model)
     return saved, _steps(m, opt, SAVED_AT, MORE)
 
 
-def _resume_run(path: str, shard):
+def _resume_run(path: str, shard, via: str):
     """Prepare afresh, load the checkpoint: (weights after loading, the next MORE losses)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
     torch.manual_seed(123)  # other initial weights: the load must replace them
     model = _mlp()
     for p in model.parameters():
         nn.init.normal_(p)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     m = cpuddp.prepare(model, opt, shard=shard, shard_blocks=[nn.Linear] if shard == "full" else None)
-    msd, osd = get_state_dict(model, opt)
-    state = {"model": msd, "optim": osd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _load(path, m, opt, via)
     loaded = _whole(model)
     return loaded, _steps(m, opt, SAVED_AT, MORE)
 
@@ -96,10 +111,11 @@ def _check(resumed, saved, later):
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("via", ["dcp", "cpuddp"])
 @pytest.mark.parametrize("saved_with", ["full", "optimizer"])
-def test_a_sharded_checkpoint_resumes_on_1_rank_2_ranks_and_unsharded(run_distributed, tmp_path, saved_with):
+def test_a_sharded_checkpoint_resumes_on_1_rank_2_ranks_and_unsharded(run_distributed, tmp_path, saved_with, via):
     path = str(tmp_path / "ckpt")
-    saved, later = run_distributed(_save_run, 2, args=(path, saved_with), timeout=120)[0]
-    _check(run_distributed(_resume_run, 1, args=(path, "full"), timeout=120)[0], saved, later)
-    _check(run_distributed(_resume_run, 2, args=(path, saved_with), timeout=120)[0], saved, later)
-    _check(run_distributed(_resume_run, 2, args=(path, None), timeout=120)[0], saved, later)
+    saved, later = run_distributed(_save_run, 2, args=(path, saved_with, via), timeout=120)[0]
+    _check(run_distributed(_resume_run, 1, args=(path, "full", via), timeout=120)[0], saved, later)
+    _check(run_distributed(_resume_run, 2, args=(path, saved_with, via), timeout=120)[0], saved, later)
+    _check(run_distributed(_resume_run, 2, args=(path, None, via), timeout=120)[0], saved, later)
