@@ -17,8 +17,8 @@ Cases (each ``--nproc`` local ranks x 1 thread, default pinning, AdamW, the same
 Models: ``mlp`` (10.5 M parameters, 1024-2048-2048-2048-10, batch 32 per rank) and ``encoder``
 (a 4-layer transformer encoder, d 256, 4 heads, FFN 1024, vocabulary 30522, sequence 128,
 batch 8 per rank, 11.0 M parameters); ``fp32`` and ``bf16`` (``mixed_precision="bf16"`` /
-autocast).  ``--memory`` runs ``big`` instead (an MLP of 16 layers 4096 wide, 270 M parameters:
-4.3 GB of parameters, gradients and Adam state) for the peak RSS.
+autocast).  ``--memory`` runs ``big`` instead (an MLP 1024-2048x27-10, 111 M parameters: 1.8 GB
+of parameters, gradients and Adam state in fp32) for the peak RSS.
 
 Per run, rank 0 reports: samples/s (every rank's samples over ``--steps`` timed steps),
 ``optimizer.step()`` ms (its hooks included: shard="optimizer"'s all-gather, ZeRO's
@@ -58,7 +58,7 @@ def build_model(name: str) -> Any:
 
     torch.manual_seed(0)
     if name in ("mlp", "big"):
-        width, hidden = (2048, 3) if name == "mlp" else (4096, 16)
+        width, hidden = (2048, 3) if name == "mlp" else (2048, 27)
         layers: list[nn.Module] = [nn.Linear(1024, width), nn.ReLU()]
         for _ in range(hidden - 1):
             layers += [nn.Linear(width, width), nn.ReLU()]
@@ -219,6 +219,7 @@ def rank_main(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import cpuddp
+    from cpuddp.train.shard import running_allocator
 
     cpuddp.init_distributed(backend="gloo" if a.case == "ddp-gloo" else a.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -257,9 +258,9 @@ def rank_main(a: argparse.Namespace) -> None:
         Path(a.result).write_text(json.dumps({
             "backend": str(dist.get_backend()), "samples_per_s": world * BATCH[a.model] * a.steps / seconds,
             "opt_ms": max(r["opt_ms"] for r in every), "state_bytes": max(r["state_bytes"] for r in every),
-            "rss_mb": max(r["rss_mb"] for r in every), "loss": float(loss), "breakdown_ms": breakdown,
+            "rss_mb": max(r["rss_mb"] for r in every), "loss": float(loss.detach()), "breakdown_ms": breakdown,
             "params": params,
-            "threads": torch.get_num_threads()}))
+            "threads": torch.get_num_threads(), "allocator": running_allocator()}))
     cpuddp.shutdown()
 
 
@@ -274,7 +275,8 @@ def run_case(case: str, model: str, precision: str, opts: argparse.Namespace) ->
         cmd = [sys.executable, __file__, "--rank-main", "--case", case, "--model", model, "--precision", precision,
                "--backend", opts.backend, "--result", result, "--steps", str(opts.steps[model]),
                "--warmup", str(opts.warmup), "--profile-steps", str(opts.profile_steps)]
-        codes = run_ranks(cmd, opts.nproc, opts.timeout, extra={"OMP_NUM_THREADS": "1"})
+        extra = {"OMP_NUM_THREADS": "1", **({"LD_PRELOAD": opts.allocator} if opts.allocator else {})}
+        codes = run_ranks(cmd, opts.nproc, opts.timeout, extra=extra)
         if any(codes):
             raise SystemExit(f"{case} {model} {precision} failed: exit codes {codes}")
         return json.loads(Path(result).read_text())
@@ -352,9 +354,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--models", default="mlp,encoder")
     ap.add_argument("--precisions", default="fp32,bf16")
-    ap.add_argument("--memory", action="store_true", help="the peak-RSS case: the 270 M-parameter MLP, fp32")
+    ap.add_argument("--memory", action="store_true", help="the peak-RSS case: the 111 M-parameter MLP, fp32")
     ap.add_argument("--backend", default="auto", help="cpuddp's backend for every case but ddp-gloo")
     ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--allocator", default="", help="a malloc library to LD_PRELOAD in every rank (tcmalloc, "
+                    "jemalloc: a path); default: glibc's malloc")
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default: mlp 30, encoder 8, big 4)")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--profile-steps", type=int, default=2)
@@ -396,11 +400,13 @@ def drive(opts: argparse.Namespace) -> int:
                       flush=True)
     summary = {key: {c: summarize(rs) for c, rs in by_case.items() if rs} for key, by_case in runs.items()}
     cpu = cpu_model()
-    print(f"\n{opts.nproc} ranks x 1 thread, AdamW, median of {opts.repeats} interleaved runs; {cpu}\n")
+    alloc = runs[next(iter(runs))][cases[0]][0].get("allocator")
+    print(f"\n{opts.nproc} ranks x 1 thread, AdamW, median of {opts.repeats} interleaved runs; {cpu}; malloc: {alloc}\n")
     print("\n".join(table(summary, cases)))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
         "meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "nproc": opts.nproc,
+                 "allocator": runs[next(iter(runs))][cases[0]][0].get("allocator"),
                  "steps": opts.steps, "warmup": opts.warmup, "repeats": opts.repeats, "python": platform.python_version()},
         "runs": runs, "summary": summary}, indent=2) + "\n")
     why = plot(summary, cases, out.with_suffix(".png"), cpu)

@@ -337,3 +337,14 @@ def test_the_default_policy_keeps_tied_leaves_in_the_root_group():
 
     with pytest.raises(Gathered):
         apply_full(tied, None, blocks=None, scope=None, group=None, node_of=stop, bf16=False, notes=[])
+
+
+def test_running_allocator_reads_the_maps(tmp_path):
+    from cpuddp.train.shard import running_allocator
+
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")
+    assert running_allocator(str(maps)) == "glibc"
+    maps.write_text(maps.read_text() + "7f02-7f03 r-xp 0 08:01 2 /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4\n")
+    assert running_allocator(str(maps)) == "tcmalloc"
+    assert running_allocator(str(tmp_path / "missing")) == "unknown"

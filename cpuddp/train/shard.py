@@ -37,6 +37,7 @@ __all__ = [
     "shared_across_blocks",
     "apply_full",
     "is_fsdp",
+    "running_allocator",
 ]
 
 _log = logging.getLogger("cpuddp.prepare")
@@ -218,6 +219,23 @@ def check_shardable(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
 # --------------------------------------------------------------------------- shard="full": FSDP2
 
 
+def running_allocator(maps_path: str = "/proc/self/maps") -> str:
+    """The malloc this process runs on: ``"tcmalloc"``/``"jemalloc"`` when preloaded, else ``"glibc"``."""
+    try:
+        with open(maps_path) as f:
+            maps = f.read()
+    except OSError:
+        return "unknown"
+    return next((name for name in ("tcmalloc", "jemalloc") if f"lib{name}" in maps), "glibc")
+
+
+#: Why shard="full" wants another malloc than glibc's (measured: docs/performance.md).
+GLIBC_NOTE = ("FSDP2 frees and allocates every block's buffers each step, and glibc's malloc keeps that memory "
+              "fragmented: peak RSS near twice the live memory here (or, with a fixed MALLOC_MMAP_THRESHOLD_, "
+              "half the speed); tcmalloc does neither: preload it (cpuddp run does when libtcmalloc-minimal4 "
+              "is installed)")
+
+
 def is_fsdp(model: nn.Module) -> bool:
     """Is ``model`` a module ``fully_shard`` was applied to?"""
     try:
@@ -293,6 +311,9 @@ def apply_full(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], *, 
     fully_shard(model, mesh=mesh, mp_policy=mp)
     if optimizer is not None:
         _rebind(optimizer, model, opt_names)
+    if running_allocator() == "glibc":
+        notes.append(f"malloc: glibc's; {GLIBC_NOTE}")
+        _log.warning("cpuddp: shard='full' on glibc's malloc: %s", GLIBC_NOTE)
     kind = f"HSDP {mesh_shape[0]} replicas x {mesh_shape[1]} shards" if mesh_shape[0] > 1 else f"{mesh_shape[1]} shards"
     notes.append(f"shard='full': FSDP2 over {kind}, {len(found)} block(s) + the rest"
                  + (", bf16 parameters with fp32 gradient reduction" if bf16 else ""))
