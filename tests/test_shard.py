@@ -53,7 +53,7 @@ class _Stack(nn.Module):
 
 
 def _opts(**kw):
-    base = dict(ipex=None, ddp=None, comm_hook=None, bucket_cap_mb=None, static_graph=False,
+    base = dict(ipex=None, ddp=None, compile=False, comm_hook=None, bucket_cap_mb=None, static_graph=False,
                 find_unused_parameters=False, broadcast_buffers=None, ddp_kwargs={}, shard_blocks=None,
                 shard_scope=None)
     base.update(kw)
@@ -70,6 +70,7 @@ def test_valid_requests_pass(shard):
     (True, {}, ["Got True instead"]),
     ("full", {"ipex": True}, ["ipex=True", "Fix: pass ipex=None"]),
     ("optimizer", {"ddp": False}, ["ddp=False", "Fix: drop ddp=False"]),
+    ("full", {"compile": True}, ["compile=True", "Fix: pass compile=False"]),
     ("optimizer", {"comm_hook": "fp16"}, ["comm_hook='fp16'", "Fix: drop comm_hook"]),
     ("full", {"bucket_cap_mb": 25}, ["bucket_cap_mb=25", "FSDP2", "Fix: drop bucket_cap_mb"]),
     ("full", {"static_graph": True}, ["static_graph=True"]),

@@ -71,6 +71,9 @@ def check_shard_request(shard: Any, options: Mapping[str, Any]) -> None:
                            "of its own copy and cannot be sharded.", fix="pass ipex=None (or False) with shard=")
     if options.get("ddp") is False:
         raise PrepareError(f"ddp=False with shard={shard!r}: sharding is data parallel.", fix="drop ddp=False")
+    if options.get("compile"):
+        raise PrepareError(f"compile={options['compile']!r} with shard={shard!r}: torch.compile over the sharded "
+                           "model is not tested by cpuddp yet.", fix="pass compile=False with shard=")
     if shard == "optimizer" and options.get("comm_hook") is not None:
         raise PrepareError(f"comm_hook={options['comm_hook']!r} with shard='optimizer': the sharding is the "
                            "gradient hook.", fix="drop comm_hook, or use shard=None")
