@@ -34,6 +34,7 @@ PROBE = r'''
 def _shard_probe():
     import atexit, json, os
     import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
     rec = {"losses": []}
 
@@ -55,7 +56,7 @@ def _shard_probe():
                 json.dump(rec, f)
 
     torch.nn.modules.module.register_module_forward_hook(on_loss)
-    torch.optim.optimizer.register_optimizer_step_post_hook(on_step)
+    register_optimizer_step_post_hook(on_step)
     atexit.register(dump)
 
 
@@ -133,5 +134,7 @@ def test_lightning_fsdp_strategy_refuses_the_cpu():
     import lightning as L
     from lightning.pytorch.strategies import FSDPStrategy
 
-    with pytest.raises(ValueError, match="requires a GPU accelerator"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(), logger=False)
+    from unittest import mock
+
+    with mock.patch.dict(os.environ), pytest.raises(ValueError, match="requires a GPU accelerator"):
+        L.Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(), logger=False)  # sets PYTORCH_NVML_*
