@@ -131,10 +131,11 @@ def test_accelerate_ignores_its_fsdp2_plugin_on_the_cpu(tmp_path):
 
 def test_lightning_fsdp_strategy_refuses_the_cpu():
     need("lightning")
-    import lightning as L
-    from lightning.pytorch.strategies import FSDPStrategy
-
     from unittest import mock
 
-    with mock.patch.dict(os.environ), pytest.raises(ValueError, match="requires a GPU accelerator"):
-        L.Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(), logger=False)  # sets PYTORCH_NVML_*
+    with mock.patch.dict(os.environ):  # importing lightning sets PYTORCH_NVML_BASED_CUDA_CHECK
+        import lightning as L
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        with pytest.raises(ValueError, match="requires a GPU accelerator"):
+            L.Trainer(accelerator="cpu", devices=2, strategy=FSDPStrategy(), logger=False)
