@@ -17,7 +17,7 @@ Cases (each ``--nproc`` local ranks x 1 thread, default pinning, AdamW, the same
 Models: ``mlp`` (10.5 M parameters, 1024-2048-2048-2048-10, batch 32 per rank) and ``encoder``
 (a 4-layer transformer encoder, d 256, 4 heads, FFN 1024, vocabulary 30522, sequence 128,
 batch 8 per rank, 11.0 M parameters); ``fp32`` and ``bf16`` (``mixed_precision="bf16"`` /
-autocast).  ``--memory`` runs ``big`` instead (an MLP 1024-2048x27-10, 111 M parameters: 1.8 GB
+autocast).  ``--memory`` runs ``big`` instead (an MLP 1024-2048x65-10, 270 M parameters: 4.0 GiB
 of parameters, gradients and Adam state in fp32) for the peak RSS.
 
 Per run, rank 0 reports: samples/s (every rank's samples over ``--steps`` timed steps),
@@ -58,7 +58,7 @@ def build_model(name: str) -> Any:
 
     torch.manual_seed(0)
     if name in ("mlp", "big"):
-        width, hidden = (2048, 3) if name == "mlp" else (2048, 27)
+        width, hidden = (2048, 3) if name == "mlp" else (2048, 65)
         layers: list[nn.Module] = [nn.Linear(1024, width), nn.ReLU()]
         for _ in range(hidden - 1):
             layers += [nn.Linear(width, width), nn.ReLU()]
@@ -275,7 +275,10 @@ def run_case(case: str, model: str, precision: str, opts: argparse.Namespace) ->
         cmd = [sys.executable, __file__, "--rank-main", "--case", case, "--model", model, "--precision", precision,
                "--backend", opts.backend, "--result", result, "--steps", str(opts.steps[model]),
                "--warmup", str(opts.warmup), "--profile-steps", str(opts.profile_steps)]
-        extra = {"OMP_NUM_THREADS": "1", **({"LD_PRELOAD": opts.allocator} if opts.allocator else {})}
+        # CPUDDP_PRECISION_TRIAL=0: prepare's bf16 is bf16 from the first step, as torch's autocast is in
+        # the other cases (the trial would time fp32 steps inside the timed window)
+        extra = {"OMP_NUM_THREADS": "1", "CPUDDP_PRECISION_TRIAL": "0",
+                 **({"LD_PRELOAD": opts.allocator} if opts.allocator else {})}
         codes = run_ranks(cmd, opts.nproc, opts.timeout, extra=extra)
         if any(codes):
             raise SystemExit(f"{case} {model} {precision} failed: exit codes {codes}")
@@ -354,7 +357,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--models", default="mlp,encoder")
     ap.add_argument("--precisions", default="fp32,bf16")
-    ap.add_argument("--memory", action="store_true", help="the peak-RSS case: the 111 M-parameter MLP, fp32")
+    ap.add_argument("--memory", action="store_true", help="the peak-RSS case: the 270 M-parameter MLP, fp32")
     ap.add_argument("--backend", default="auto", help="cpuddp's backend for every case but ddp-gloo")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--allocator", default="", help="a malloc library to LD_PRELOAD in every rank (tcmalloc, "

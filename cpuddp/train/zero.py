@@ -223,6 +223,7 @@ class ZeroStep:
                 self._shard()
             self._last = layout
         self._seen = {}
+        self._buffers = {}  # DDP's buckets of this backward: DDP drops the old ones when it rebuilds
         if self.sharded:
             if len(self.optimizer.param_groups) != len(self._step_params):
                 raise RuntimeError(
@@ -252,14 +253,17 @@ class ZeroStep:
     # ------------------------------------------------------------------ sharding, once
 
     def _shard(self) -> None:
-        """Move each bucket's parameters into its flat buffer, cut the optimizer to this rank's
-        pieces (state included) and take this step's gradients from DDP's all-reduced buckets."""
+        """Cut the optimizer state to this rank's pieces, then move each bucket's parameters into
+        its flat buffer and take this step's gradients from DDP's all-reduced buckets.  In that
+        order, so that the whole state is freed before the new buffers are allocated (the peak
+        stays near DDP's)."""
         opt = self.optimizer
         group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+        plans = {index: self._plan(self._seen[index]) for index in sorted(self._seen)}
+        cut = self._cut_ranges(plans.values())
         pieces: list[list[torch.Tensor]] = [[] for _ in opt.param_groups]
-        for index in sorted(self._seen):
-            b = self._bucket(self._seen[index], self._buffers[index])
-            self.buckets[index] = b
+        for index, plan in plans.items():
+            b = self.buckets[index] = self._bucket(plan, self._buffers[index], cut)
             for piece in b.pieces:
                 gi = group_of.get(id(piece.param))
                 if gi is not None:
@@ -269,32 +273,55 @@ class ZeroStep:
             rest = [p for p in g["params"] if id(p) not in in_buckets]  # frozen: stepped as they are
             self._model_params.append(list(g["params"]))
             self._step_params.append(pieces[gi] + rest)
-        self._cut_state()
-        self._buffers = {}
         self.sharded_at = self._steps
         _log.info("shard='optimizer': optimizer sharded at step %d (%d buckets, rank %d of %d)",
                   self._steps, len(self.buckets), self.rank, self.world)
 
-    def _bucket(self, params: tuple, reduced: torch.Tensor) -> _Bucket:
+    def _plan(self, params: tuple) -> tuple[tuple, list[int], int, list[tuple]]:
+        """A bucket's layout: its parameters, their offsets, the elements per rank, and this rank's
+        pieces as ``(param, lo, hi, start, stop, in_tail)`` (``start:stop`` in the flat buffer)."""
+        offsets = [sum(p.numel() for p in params[:i]) for i in range(len(params))]
         numel = sum(p.numel() for p in params)
         chunk = numel // self.world
-        flat = torch.empty(numel, dtype=params[0].dtype)
-        offsets, off = [], 0
-        for p in params:
-            flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-            p.data = flat[off:off + p.numel()].view_as(p)
-            offsets.append(off)
-            off += p.numel()
-        mine = (self.rank * chunk, (self.rank + 1) * chunk)
-        b = _Bucket(params, offsets, chunk, flat, reduced[mine[0]:mine[1]].clone(),
-                    reduced[self.world * chunk:].clone())
-        b.views.update(gathered=flat[:b.shared], mine=flat[mine[0]:mine[1]])
+        ranges = []
         for p, a in zip(params, offsets):
             e = a + p.numel()
-            for lo, hi, grads in ((*mine, b.grad), (b.shared, numel, b.tail)):
+            for lo, hi, tail in ((self.rank * chunk, (self.rank + 1) * chunk, False), (self.world * chunk, numel, True)):
                 s, t = max(a, lo), min(e, hi)
                 if s < t:
-                    b.pieces.append(_Piece(p, s - a, t - a, flat[s:t], grads[s - lo:t - lo]))
+                    ranges.append((p, s - a, t - a, s, t, tail))
+        return params, offsets, chunk, ranges
+
+    def _cut_ranges(self, plans: Any) -> dict[tuple[int, int], dict[str, Any]]:
+        """Each piece's share of its parameter's state, keyed ``(id(param), lo)``; the whole state of
+        each parameter is dropped as soon as its pieces are cut."""
+        state, cut = self.optimizer.state, {}
+        for params, _, _, ranges in plans:
+            for p in params:
+                whole = state.pop(p, None)
+                if whole:
+                    for q, lo, hi, *_ in ranges:
+                        if q is p:
+                            cut[(id(p), lo)] = {k: _cut(v, p, lo, hi) for k, v in whole.items()}
+        return cut
+
+    def _bucket(self, plan: tuple, reduced: torch.Tensor, cut: dict[tuple[int, int], dict[str, Any]]) -> _Bucket:
+        params, offsets, chunk, ranges = plan
+        numel = sum(p.numel() for p in params)
+        flat = torch.empty(numel, dtype=params[0].dtype)
+        for p, off in zip(params, offsets):
+            flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            p.data = flat[off:off + p.numel()].view_as(p)
+        lo = self.rank * chunk
+        b = _Bucket(params, offsets, chunk, flat, reduced[lo:lo + chunk].clone(), reduced[self.world * chunk:].clone())
+        b.views.update(gathered=flat[:b.shared], mine=flat[lo:lo + chunk])
+        for p, plo, phi, s, t, tail in ranges:
+            grads, base = (b.tail, b.shared) if tail else (b.grad, lo)
+            piece = _Piece(p, plo, phi, flat[s:t], grads[s - base:t - base])
+            b.pieces.append(piece)
+            mine = cut.pop((id(p), plo), None)
+            if mine is not None:
+                self.optimizer.state[piece.tensor] = mine
         return b
 
     def _cut_state(self) -> None:
