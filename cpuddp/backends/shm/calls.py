@@ -23,6 +23,7 @@ from cpuddp.errors import BackendError
 
 from . import forms
 from .ops import AVG, SUM, check_tensors, flat_bytes, reducer, staged
+from .sparse import all_reduce_sparse, check_sparse
 from .stream import GatheredWork
 
 __all__ = ["Collectives"]
@@ -47,6 +48,11 @@ class Collectives:
         if self._eng is None:
             return self._world.allreduce(tensors, forms.options(dist.AllreduceOptions, reduceOp=code))
         t = tensors[0]
+        if isinstance(t, torch.Tensor) and t.is_sparse:
+            check_sparse(t, code)
+            gather = (self._hier or self._eng).all_gather
+            return self._run("all_reduce_sparse", [], lambda: all_reduce_sparse(t, code, self.size(), gather), tensors,
+                             op=code)
         check_tensors(tensors, "all_reduce")
         fn = reducer(code, t.dtype)
 
