@@ -264,11 +264,20 @@ def test_ddp_on_two_ranks_trains_to_the_same_parameters_as_gloo_bit_for_bit():
 
 @pytest.mark.slow
 def test_fsdp2_and_zero_train_on_shm_with_the_losses_of_gloo():
+    import torch
+    from packaging.version import Version
+
+    # the same sums in the same order: the same losses.  torch 2.8's FSDP2 reduces in another
+    # order on gloo than on other backends, so there the losses agree to rounding (Adam grows it)
+    exact = Version(torch.__version__).release >= (2, 9)
     for r in run_distributed(_sharded_vs_gloo, 2, backend="shm", timeout=240):
         for engine in ("fsdp2", "zero"):
             shm, gloo = r[f"{engine}/shm"], r[f"{engine}/gloo"]
             assert len(shm) == 8 and shm[-1] < shm[0], (engine, shm)
-            assert shm == gloo, (engine, shm, gloo)  # the same sums in the same order: the same losses
+            if exact or engine == "zero":
+                assert shm == gloo, (engine, shm, gloo)
+            else:
+                assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(shm, gloo)), (engine, shm, gloo)
 
 
 @pytest.mark.slow
