@@ -1,7 +1,7 @@
 """DDP training samples/s on the shared-memory backend vs gloo, same ranks count, interleaved runs.
 
     flock /tmp/cpuddp-heavy.lock python benchmarks/shm_ddp.py            # 2 ranks, 5 repeats
-    python benchmarks/shm_ddp.py --backends gloo,shm,shm-sync             # shm-sync: CPUDDP_SHM_ASYNC=0
+    python benchmarks/shm_ddp.py --backends gloo,shm,shm-async,shm-sync   # CPUDDP_SHM_ASYNC=1 / =0
     python benchmarks/shm_ddp.py --quick                                  # does the script work?
 
 Each run starts ``--nproc`` local ranks (``cpuddp.init_distributed(backend=...)``, default
@@ -57,6 +57,8 @@ def rank_main(args: argparse.Namespace) -> None:
     backend = args.backend
     if backend == "shm-sync":  # the shm backend with every collective in the caller's thread
         os.environ["CPUDDP_SHM_ASYNC"], backend = "0", "shm"
+    elif backend == "shm-async":  # the shm backend with its communication thread for 256 KiB and up
+        os.environ["CPUDDP_SHM_ASYNC"], backend = "1", "shm"
     cpuddp.init_distributed(backend=backend)
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

@@ -297,7 +297,7 @@ def _meet(env: DistEnv, td: datetime.timedelta, environ: Mapping[str, str], undo
     """Step 2: the job's store (None for a world of one); ``undo`` keeps it alive."""
     if env.world_size == 1:
         return None
-    rdv = open_store(env, td, environ)
+    rdv = open_store(env, td, environ, undo.generation)
     undo.keep = rdv.keep
     return rdv.store
 

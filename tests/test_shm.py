@@ -119,7 +119,7 @@ def _interface():
     assert pg.shm_calls == calls + 6
     errors = []
     for bad in (lambda: dist.all_reduce(torch.ones(2, dtype=torch.int32), op=dist.ReduceOp.AVG),
-                lambda: dist.all_reduce(torch.ones(2).to_sparse()),
+                lambda: dist.all_reduce(torch.ones(2).to_sparse(), op=dist.ReduceOp.MAX),
                 lambda: pg.allreduce([torch.ones(2), torch.ones(2)]).wait(),
                 lambda: dist.all_gather([torch.ones(3)], torch.ones(3))):
         try:  # refused before it is posted: it never happened, for this rank and its peers
@@ -127,11 +127,18 @@ def _interface():
         except BackendError as exc:
             errors.append(str(exc))
     assert pg.shm_calls == calls + 6
+    sp = torch.sparse_coo_tensor([[rank, 3]], [1.0, 2.0], (5,))  # what DDP sends for sparse gradients
+    dist.all_reduce(sp)
+    want = torch.zeros(5)
+    for r in range(n):
+        want[r] += 1.0
+    want[3] += 2.0 * n
+    assert torch.equal(sp.to_dense(), want), sp
     z = torch.ones(3)  # the group still works
     dist.all_reduce(z)
     sub = dist.new_group(list(range(n)))  # a subgroup is a shm group of its own
     dist.all_reduce(z, group=sub)
-    assert z.tolist() == [float(n * n)] * 3 and sub.shm_calls == 1
+    assert z.tolist() == [float(n * n)] * 3 and sub.shm_calls == 1 and pg.shm_calls == calls + 8
     assert dist.get_backend() == "shm"
     return pg.reason, errors
 
@@ -147,14 +154,16 @@ def _ddp_vs_gloo(steps: int = 6):
     rank = dist.get_rank()
     gloo = dist.new_group(backend="gloo")
     digests = {}
-    cases = [(f"{how}/{name}", how, group) for how in ("ddp", "prepare", "prepare-fp16-hook")
+    cases = [(f"{how}/{name}", how, group) for how in ("ddp", "prepare", "prepare-fp16-hook", "ddp-sparse")
              for name, group in (("shm", None), ("gloo", gloo))]
     for name, how, group in cases:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+        first = (torch.nn.EmbeddingBag(64, 512, mode="sum", sparse=True) if how == "ddp-sparse"
+                 else torch.nn.Linear(64, 512))  # sparse gradients: DDP all-reduces a sparse tensor
+        model = torch.nn.Sequential(first, torch.nn.ReLU(), torch.nn.Linear(512, 512),
                                     torch.nn.ReLU(), torch.nn.Linear(512, 10))
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        if how == "ddp":
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if how == "ddp-sparse" else 0.9)
+        if how.startswith("ddp"):
             ddp = DDP(model, process_group=group, bucket_cap_mb=1)
         else:
             ddp = cpuddp.prepare(model, opt, process_group=group, bucket_cap_mb=1,
@@ -162,6 +171,8 @@ def _ddp_vs_gloo(steps: int = 6):
         gen = torch.Generator().manual_seed(100 + rank)
         for _ in range(steps):
             x, y = torch.randn(32, 64, generator=gen), torch.randint(0, 10, (32,), generator=gen)
+            if how == "ddp-sparse":
+                x = torch.randint(0, 64, (32, 4), generator=gen)
             opt.zero_grad()
             torch.nn.functional.cross_entropy(ddp(x), y).backward()
             opt.step()
@@ -236,7 +247,7 @@ def test_two_ranks_torch_interface_and_clear_errors_for_wrong_calls():
         assert reason == "shared memory among 2 ranks"
         assert len(errors) == 4, errors
         assert "ReduceOp.AVG of torch.int32 tensors" in errors[0]
-        assert "sparse_coo tensor" in errors[1]
+        assert "sparse tensor with ReduceOp.MAX" in errors[1]
         assert "got 2 tensors for one rank" in errors[2]
         assert "all_gather: rank" in errors[3] and "pass 2 tensors of that size and dtype" in errors[3]
 
@@ -246,18 +257,27 @@ def test_ddp_on_two_ranks_trains_to_the_same_parameters_as_gloo_bit_for_bit():
     res = run_distributed(_ddp_vs_gloo, 2, backend="shm", timeout=180)
     (d0, calls0), (d1, calls1) = res
     assert d0 == d1, "ranks differ"
-    for how in ("ddp", "prepare", "prepare-fp16-hook"):
+    for how in ("ddp", "prepare", "prepare-fp16-hook", "ddp-sparse"):
         assert d0[f"{how}/shm"] == d0[f"{how}/gloo"], f"{how}: shm and gloo trained to different parameters"
     assert calls0 == calls1 and calls0 >= 18, "DDP's buckets did not go through shared memory"
 
 
 @pytest.mark.slow
 def test_fsdp2_and_zero_train_on_shm_with_the_losses_of_gloo():
+    import torch
+    from packaging.version import Version
+
+    # the same sums in the same order: the same losses.  torch 2.8's FSDP2 reduces in another
+    # order on gloo than on other backends, so there the losses agree to rounding (Adam grows it)
+    exact = Version(torch.__version__).release >= (2, 9)
     for r in run_distributed(_sharded_vs_gloo, 2, backend="shm", timeout=240):
         for engine in ("fsdp2", "zero"):
             shm, gloo = r[f"{engine}/shm"], r[f"{engine}/gloo"]
             assert len(shm) == 8 and shm[-1] < shm[0], (engine, shm)
-            assert shm == gloo, (engine, shm, gloo)  # the same sums in the same order: the same losses
+            if exact or engine == "zero":
+                assert shm == gloo, (engine, shm, gloo)
+            else:
+                assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(shm, gloo)), (engine, shm, gloo)
 
 
 @pytest.mark.slow

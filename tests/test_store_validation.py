@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
+import time
 
 import pytest
 import torch.distributed as dist
@@ -19,7 +21,14 @@ from cpuddp.launchers import store_values
 from cpuddp.distributed import _agree_backend
 from cpuddp.launchers.env import DistEnv
 from cpuddp.errors import RendezvousError
-from cpuddp.launchers.rendezvous import JOB_KEY, _check_job, job_key
+from cpuddp.launchers.rendezvous import JOB_KEY, _is_ours, _job_of, _join_job, job_key
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
 
 TD = datetime.timedelta(seconds=2)
 KEY = "cpuddp/init0/host/1"
@@ -159,12 +168,47 @@ def test_a_rank_refuses_a_malformed_job_key():
     store = dist.HashStore()
     env = DistEnv(rank=1, world_size=2, job_id="42", launcher="env")
     store.set(JOB_KEY, b"\x00" * 10)
-    _refused(_check_job, env, store, job_key(env), TD, what=f"store key {JOB_KEY} (at 127.0.0.1:")
-    store.set(JOB_KEY, "other-job/w2")
+    _refused(_job_of, store, "127.0.0.1", 29500, TD, what=f"store key {JOB_KEY} (at 127.0.0.1:")
     with pytest.raises(RendezvousError, match="reached the store of another job .*its job 'other-job/w2'"):
-        _check_job(env, store, job_key(env), TD)
-    store.set(JOB_KEY, job_key(env))
-    _check_job(env, store, job_key(env), TD)  # ours: accepted
+        _is_ours(env, "other-job/w2", job_key(env), 1)
+    assert _is_ours(env, f"{job_key(env)} init2", job_key(env), 2)  # ours: accepted
+    assert not _is_ours(env, f"{job_key(env)} init1", job_key(env), 2)  # the previous init's: dial again
+    assert not _is_ours(env, None, job_key(env), 2)
+
+
+def test_a_rank_that_reaches_the_previous_inits_store_dials_again_until_the_new_one_answers():
+    """init -> shutdown -> init under an MPI launcher: rank 1 may re-join before rank 0 has torn
+    down the first init's store (the CI failure of round 4)."""
+    import threading
+    from datetime import timedelta
+
+    from cpuddp.launchers.rendezvous import _init_key
+
+    env = DistEnv(rank=1, world_size=2, job_id="42", launcher="env", master_addr="127.0.0.1", master_port=_free_port())
+    key = job_key(env)
+    old = dist.TCPStore("127.0.0.1", env.master_port, 2, True, timedelta(seconds=10), wait_for_workers=False)
+    old.set(JOB_KEY, _init_key(key, 1))
+    new: list = []
+
+    def rank0_moves_on() -> None:
+        time.sleep(1.0)
+        old_server = stores.pop()
+        del old_server
+        store = dist.TCPStore("127.0.0.1", env.master_port, 2, True, timedelta(seconds=10), wait_for_workers=False)
+        store.set(JOB_KEY, _init_key(key, 2))
+        new.append(store)
+
+    stores = [old]
+    del old
+    mover = threading.Thread(target=rank0_moves_on)
+    mover.start()
+    try:
+        client = _join_job(env, key, 2, timedelta(seconds=20))
+        assert client.get(JOB_KEY).decode() == _init_key(key, 2)
+    finally:
+        mover.join()
+    with pytest.raises(RendezvousError, match="(?s)still on another init of this job .*init_distributed\\(\\) and shutdown\\(\\)"):
+        _join_job(env, key, 3, timedelta(seconds=2))
 
 
 def test_job_keys_are_always_acceptable():

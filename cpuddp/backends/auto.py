@@ -10,7 +10,7 @@ words for the docs and messages.  The rule, for CPU tensors:
    memory for the segment, no ``CPUDDP_SHM=0``).  Measured on one node, 2 ranks, 1 MiB:
    shm 0.36 ms, gloo 2.26 ms, oneCCL 6.99 ms (oneCCL 19x slower than shm; at 64 MiB 2.6x).
    So shm wins over a working oneCCL too.
-2. Between nodes, the shm group's node-to-node leg (``CPUDDP_SHM_INTER``) runs on oneCCL when
+2. Between nodes, the shm group's node-to-node leg (``ShmOptions.inter``) runs on oneCCL when
    its bindings work here, else on gloo.
 3. Where shm cannot run (one rank per node, oversubscribed, opted out, not x86): across nodes
    oneCCL when its bindings work (node-to-node is what it is built for), else gloo; on one

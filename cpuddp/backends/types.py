@@ -59,7 +59,7 @@ class BackendChoice:
     #: :func:`load_backend` need not check again).
     verified: bool = False
     #: For shm across nodes: the backend of the group's node-to-node leg ("ccl" or "gloo",
-    #: exported as ``CPUDDP_SHM_INTER``); None otherwise.
+    #: the group gets it as ``ShmOptions.inter``); None otherwise.
     inter: Optional[str] = None
 
 

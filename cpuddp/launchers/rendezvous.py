@@ -7,7 +7,10 @@ nothing is reachable from outside the machine), on every address (IPv4 and IPv6 
 host has both) for a multi-node one -- and hands to the store.  A busy port, an address this
 host cannot listen on and an unresolvable ``MASTER_ADDR`` fail at once, each with a fix that
 fits its cause.  The store carries a job key (from the launcher's job id), so a rank that
-reaches another job's store fails with a clear error instead of joining it.
+reaches another job's store fails with a clear error instead of joining it.  The key also
+names the process's init (``init_distributed`` -> ``shutdown`` -> ``init_distributed``): a
+rank that re-joins faster than rank 0 tears down the previous init's store reaches that
+store, sees the older init, and dials again until rank 0's new store answers.
 
 IPv6: ``MASTER_ADDR`` may be an IPv6 address or a name that resolves to one (``localhost``
 resolves to ``::1`` first on many Debian and RHEL hosts); the socket takes the family of
@@ -48,8 +51,9 @@ class Rendezvous(NamedTuple):
     keep: Any
 
 
-def open_store(env: DistEnv, td: datetime.timedelta, environ: Any) -> Rendezvous:
-    """The job's store for a world of two or more (see the module docstring)."""
+def open_store(env: DistEnv, td: datetime.timedelta, environ: Any, generation: int = 1) -> Rendezvous:
+    """The job's store for a world of two or more (see the module docstring); ``generation``:
+    which init of this process it is for (1, 2, ... -- the same on every rank)."""
     import torch.distributed as dist
 
     if env.agent_store:
@@ -59,12 +63,17 @@ def open_store(env: DistEnv, td: datetime.timedelta, environ: Any) -> Rendezvous
         attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         return Rendezvous(dist.PrefixStore(f"/worker/attempt_{attempt}", client), client)
     key = job_key(env)
-    store = _own_store(env, td) if env.rank == 0 else _connect(env, td)
     if env.rank == 0:
-        store.set(JOB_KEY, key)
+        store = _own_store(env, td)
+        store.set(JOB_KEY, _init_key(key, generation))
     else:
-        _check_job(env, store, key, td)
+        store = _join_job(env, key, generation, td)
     return Rendezvous(dist.PrefixStore(f"cpuddp/{key}", store), store)
+
+
+def _init_key(key: str, generation: int) -> str:
+    """The value of :data:`JOB_KEY`: the job and which of its processes' inits the store is for."""
+    return f"{key} init{generation}"
 
 
 def _resolve(addr: str, port: int) -> list[Any]:
@@ -134,24 +143,60 @@ def _own_store(env: DistEnv, td: datetime.timedelta) -> Any:
         raise
 
 
-def _check_job(env: DistEnv, store: Any, key: str, td: datetime.timedelta) -> None:
+def _join_job(env: DistEnv, key: str, generation: int, td: datetime.timedelta) -> Any:
+    """A client of rank 0's store for this job's init ``generation``.  A store of this job's
+    previous init (rank 0 has not torn it down yet) or one that closes under us is dialled
+    again until ``td`` is spent; another job's store fails at once."""
     addr, port = env.master_addr, env.master_port
-    try:
-        store.wait([JOB_KEY], td)
-        raw = store.get(JOB_KEY)
-    except Exception:
+    deadline = time.monotonic() + td.total_seconds()
+    theirs: Optional[str] = None
+    while True:
+        left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
+        store = _connect(env, left)
+        theirs = _job_of(store, addr, port, left)
+        if _is_ours(env, theirs, key, generation):
+            return store
+        del store  # rank 0's previous init, or a store that went away: dial again
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
+    if theirs is None:
         raise RendezvousError(
             f"rank {env.rank} reached a store at {addr}:{port} that is not this job's rank 0 "
             f"(no cpuddp job key within {td.total_seconds():.0f} s)",
             fix="MASTER_PORT is used by another program or job: export a different MASTER_PORT",
-        ) from None
-    theirs = job_key_value(f"{JOB_KEY} (at {addr}:{port})", raw)
-    if theirs != key:
+        )
+    raise RendezvousError(
+        f"rank {env.rank} found rank 0's store at {addr}:{port} still on another init of this job "
+        f"({shown(theirs)}, this rank's {_init_key(key, generation)!r}) after {td.total_seconds():.0f} s",
+        fix="every rank must call init_distributed() and shutdown() the same number of times; "
+        "a rank that failed an init and retried alone is out of step with the others",
+    )
+
+
+def _is_ours(env: DistEnv, theirs: Optional[str], key: str, generation: int) -> bool:
+    """True for this init's store, False for none or this job's other init (dial again);
+    raises for another job's store."""
+    if theirs == _init_key(key, generation):
+        return True
+    if theirs is not None and not theirs.startswith(f"{key} init"):
         raise RendezvousError(
-            f"rank {env.rank} reached the store of another job at {addr}:{port} "
-            f"(its job {shown(theirs)}, ours {key!r})",
+            f"rank {env.rank} reached the store of another job at {env.master_addr}:{env.master_port} "
+            f"(its job {shown(theirs)}, ours {_init_key(key, generation)!r})",
             fix="two jobs share MASTER_PORT: export a different MASTER_PORT for one of them, or unset it",
         )
+    return False
+
+
+def _job_of(store: Any, addr: str, port: int, td: datetime.timedelta) -> Optional[str]:
+    """The job key the store at ``addr:port`` carries, or None when it has none (within ``td``)
+    or the connection broke."""
+    try:
+        store.wait([JOB_KEY], td)
+        raw = store.get(JOB_KEY)
+    except Exception:
+        return None
+    return job_key_value(f"{JOB_KEY} (at {addr}:{port})", raw)
 
 
 def _connect(env: DistEnv, td: datetime.timedelta) -> Any:

@@ -62,6 +62,8 @@ def reinit() -> int:
         rank = env.rank
         assert dist.get_backend() == "shm", dist.get_backend()
         step(f"round{i}", collectives)
+        if rank == 0 and i == 1:
+            time.sleep(1.0)  # rank 1 re-joins while rank 0's store of this init still answers
         cpuddp.shutdown()
     env = cpuddp.init_distributed("gloo", timeout=60)
     step("gloo", collectives)

@@ -28,7 +28,7 @@ KINDS = {name: i + 1 for i, name in enumerate((
     "all_reduce", "broadcast", "all_gather", "all_gather_single", "reduce_scatter",
     "reduce_scatter_single", "barrier", "gather", "scatter", "reduce", "all_to_all", "all_to_all_single",
     "all_reduce_coalesced", "all_gather_coalesced", "all_gather_single_coalesced",
-    "reduce_scatter_single_coalesced"))}
+    "reduce_scatter_single_coalesced", "all_reduce_sparse"))}
 _KIND_NAMES = {v: k for k, v in KINDS.items()}
 _DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64", "bool",
            "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")

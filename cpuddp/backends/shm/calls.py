@@ -23,6 +23,7 @@ from cpuddp.errors import BackendError
 
 from . import forms
 from .ops import AVG, SUM, check_tensors, flat_bytes, reducer, staged
+from .sparse import all_reduce_sparse, check_sparse
 from .stream import GatheredWork
 
 __all__ = ["Collectives"]
@@ -47,6 +48,11 @@ class Collectives:
         if self._eng is None:
             return self._world.allreduce(tensors, forms.options(dist.AllreduceOptions, reduceOp=code))
         t = tensors[0]
+        if isinstance(t, torch.Tensor) and t.is_sparse:
+            check_sparse(t, code)
+            gather = (self._hier or self._eng).all_gather
+            return self._run("all_reduce_sparse", [], lambda: all_reduce_sparse(t, code, self.size(), gather), tensors,
+                             op=code)
         check_tensors(tensors, "all_reduce")
         fn = reducer(code, t.dtype)
 
@@ -315,9 +321,9 @@ class Collectives:
     # ------------------------------------------------------------------ all_to_all, barrier
 
     def alltoall(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
-        if self._eng is None or self._hier is not None:
-            return self._world.alltoall(outputs, inputs)
         outs, ins = list(outputs), list(inputs)
+        if self._eng is None or self._hier is not None:
+            return self._world_all_to_all(outs, ins)
         check_tensors([*outs, *ins], "all_to_all")
         if len(outs) != self.size() or len(ins) != self.size():
             raise BackendError(f"all_to_all: rank {self.rank()} passed {len(ins)} inputs and {len(outs)} outputs",
@@ -342,6 +348,20 @@ class Collectives:
         return self._run("all_to_all_single", [], body, output)
 
     alltoall_base = all_to_all_single
+
+    def _world_all_to_all(self, outs: List[torch.Tensor], ins: List[torch.Tensor]) -> Any:
+        """The list form on the gloo group of every rank, as one single-tensor call (gloo's list
+        form needs equal sizes, and torch 2.9)."""
+        check_tensors([*outs, *ins], "all_to_all")
+        flat_in = torch.cat([i.reshape(-1) for i in ins])
+        flat_out = torch.empty(sum(o.numel() for o in outs), dtype=flat_in.dtype)
+        work = self._world.alltoall_base(flat_out, flat_in, [o.numel() for o in outs], [i.numel() for i in ins])
+
+        def unpack() -> None:
+            for o, part in zip(outs, torch.split(flat_out, [o.numel() for o in outs])):
+                o.copy_(part.view(o.shape))
+
+        return GatheredWork([work], outs, unpack)
 
     def _all_to_all(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
         with contextlib.ExitStack() as stack:

@@ -11,8 +11,8 @@ keeps what it can inside the node (per collective; docs/backends.md has the tabl
 * ``all_gather``: each cross group all-gathers its ranks' inputs, then each node all-gathers
   those blocks in shared memory;
 * ``reduce_scatter``: a reduce-scatter in shared memory leaves each local rank the node's sum
-  of the parts of the ranks with its local rank on every node; its cross group reduce-scatters
-  those;
+  of the parts of the ranks with its local rank on every node; its cross group all-reduces
+  those and each rank keeps its node's (gloo's own reduce_scatter is an all_reduce too);
 * ``barrier``: the node's barrier, then the cross group's;
 * ``reduce``, ``gather``, ``scatter``: the all_reduce, all_gather and broadcast above, the root
   keeping its part (one call more traffic than a direct one; nothing between a node's ranks
@@ -115,9 +115,12 @@ class Hierarchy:
         supers = [torch.cat([inps[grid[j][i]] for j in range(nodes)]) for i in range(self.n)]
         node_sum = torch.empty(nodes * k, dtype=out.dtype)
         self.eng.reduce_scatter(supers, node_sum, fn)
-        opts = dist.ReduceScatterOptions()
+        # between nodes an all_reduce of the column's parts, this node's kept: what gloo's
+        # reduce_scatter does anyway (pytorch PR 118911), without its MAX bug of torch 2.8
+        opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp(code)
-        self.cross.reduce_scatter([out], [list(node_sum.view(nodes, k))], opts).wait()
+        self.cross.allreduce([node_sum], opts).wait()
+        out.copy_(node_sum[self.node * k:(self.node + 1) * k])
 
     def barrier(self) -> None:
         self.eng.barrier()

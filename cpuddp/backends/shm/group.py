@@ -81,14 +81,17 @@ _SETTLE = 0.05
 
 
 def _name_holder(rank: int, size: int) -> Any:
-    """A backend object for the group's name (torch keeps it there); it raises if called."""
+    """A backend object for the group's name (torch keeps it there).  Nothing calls it: every path
+    torch has reaches this group's methods (tests/test_shm*.py hold on torch 2.8 and 2.13); where
+    torch can say so (2.10 and later), it raises if something does."""
     from torch._C._distributed_c10d import FakeProcessGroup
 
-    opts = FakeProcessGroup.Options()
-    if hasattr(opts, "error_on_collective"):
-        opts.error_on_collective = True
     create = getattr(FakeProcessGroup, "_create_internal", None)
-    return create(rank, size, opts) if create is not None else FakeProcessGroup(rank, size, opts)
+    if create is None:
+        return FakeProcessGroup(rank, size)
+    opts = FakeProcessGroup.Options()
+    opts.error_on_collective = True
+    return create(rank, size, opts)
 
 
 class ShmProcessGroup(Collectives, dist.ProcessGroup):
