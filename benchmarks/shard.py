@@ -12,6 +12,7 @@ Cases (each ``--nproc`` local ranks x 1 thread, default pinning, AdamW, the same
   parameters_as_bucket_view=True)``, as torch ships it, on cpuddp's backend;
 * ``torch-fsdp2``: ``fully_shard`` on every Linear / encoder layer, then the root, torch's
   defaults (bf16: ``MixedPrecisionPolicy(param_dtype=bfloat16)``), on cpuddp's backend;
+* ``torch-fsdp2-gloo``: the same on ``backend="gloo"`` (what the shm engine buys FSDP2);
 * ``shard-optimizer``, ``shard-full``: ``prepare(model, opt, shard=...)`` on cpuddp's backend.
 
 Models: ``mlp`` (10.5 M parameters, 1024-2048-2048-2048-10, batch 32 per rank) and ``encoder``
@@ -45,7 +46,7 @@ from typing import Any, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
-CASES = ("ddp-gloo", "ddp", "torch-zero", "torch-fsdp2", "shard-optimizer", "shard-full")
+CASES = ("ddp-gloo", "ddp", "torch-zero", "torch-fsdp2-gloo", "torch-fsdp2", "shard-optimizer", "shard-full")
 BATCH = {"mlp": 32, "encoder": 8, "big": 32}
 
 
@@ -221,7 +222,7 @@ def rank_main(a: argparse.Namespace) -> None:
     import cpuddp
     from cpuddp.train.shard import running_allocator
 
-    cpuddp.init_distributed(backend="gloo" if a.case == "ddp-gloo" else a.backend)
+    cpuddp.init_distributed(backend="gloo" if a.case.endswith("-gloo") else a.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(a.model)
     params = sum(p.numel() for p in model.parameters())
@@ -358,7 +359,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--models", default="mlp,encoder")
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--memory", action="store_true", help="the peak-RSS case: the 270 M-parameter MLP, fp32")
-    ap.add_argument("--backend", default="auto", help="cpuddp's backend for every case but ddp-gloo")
+    ap.add_argument("--backend", default="auto", help="cpuddp's backend for every case but the -gloo ones")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--allocator", default="", help="a malloc library to LD_PRELOAD in every rank (tcmalloc, "
                     "jemalloc: a path); default: glibc's malloc")

@@ -6,7 +6,8 @@
 
 Each run starts ``--nproc`` local ranks (``cpuddp.init_distributed(backend=...)``, default
 pinning) that train the same 11 M-parameter MLP (1024-2048-2048-2048-10, fp32, SGD with
-momentum, DDP with default buckets) on the same synthetic data, each rank its own batch of
+momentum, DDP with default buckets: ``cpuddp.prepare(model, opt)`` as README's loop does, or
+plain ``DistributedDataParallel(model)`` with ``--wrap ddp``) on the same synthetic data, each rank its own batch of
 ``--batch``.  Per run, each rank measures
 
 * ``samples/s``: every rank's samples over ``--steps`` timed steps after ``--warmup``;
@@ -65,8 +66,12 @@ def rank_main(args: argparse.Namespace) -> None:
     model = torch.nn.Sequential(
         torch.nn.Linear(1024, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048), torch.nn.ReLU(),
         torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))
-    ddp = DDP(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    if args.wrap == "prepare":  # what README's loop does: DDP with gradient_as_bucket_view=True
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        ddp = cpuddp.prepare(model, opt)
+    else:
+        ddp = DDP(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)
     data = [(torch.randn(args.batch, 1024, generator=gen), torch.randint(0, 10, (args.batch,), generator=gen))
             for _ in range(8)]
@@ -135,7 +140,8 @@ def run_case(backend: str, opts: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "r.json")
         cmd = [sys.executable, __file__, "--rank-main", "--backend", backend, "--result", result,
-               "--batch", str(opts.batch), "--steps", str(opts.steps), "--warmup", str(opts.warmup)]
+               "--batch", str(opts.batch), "--steps", str(opts.steps), "--warmup", str(opts.warmup),
+               "--wrap", opts.wrap]
         codes = run_ranks(cmd, opts.nproc, opts.timeout)
         if any(codes):
             raise SystemExit(f"a {backend} run failed: exit codes {codes}")
@@ -147,6 +153,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--backends", default="gloo,shm")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32, help="samples per rank and step (default 32)")
+    ap.add_argument("--wrap", choices=("prepare", "ddp"), default="prepare",
+                    help="prepare: cpuddp.prepare(model, opt) (README's loop; DDP with gradient_as_bucket_view); "
+                         "ddp: plain DistributedDataParallel(model) (default: prepare)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=5)
@@ -182,7 +191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       "digests": sorted({r["params_sha256"] for r in runs[b]})}
     base = backends[0]
     cpu = _cpu_model()
-    print(f"\n{opts.nproc} ranks, {runs[base][0]['params'] / 1e6:.1f} M-parameter MLP, batch {opts.batch} per rank, "
+    print(f"\n{opts.nproc} ranks, {runs[base][0]['params'] / 1e6:.1f} M-parameter MLP ({opts.wrap}), batch {opts.batch} per rank, "
           f"{opts.steps} steps, median of {opts.repeats}; {cpu}\n")
     print("| backend | samples/s (min-max) | vs " + base + " | no-sync samples/s | communication share of a step | "
           "allreduces alone, ms/step | added to a step, ms | hidden by backward | parameters |")
@@ -199,7 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Path(opts.out).write_text(json.dumps({
         "meta": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu, "nproc": opts.nproc,
                  "batch": opts.batch, "steps": opts.steps, "warmup": opts.warmup, "repeats": opts.repeats,
-                 "python": platform.python_version()},
+                 "wrap": opts.wrap, "python": platform.python_version()},
         "runs": runs, "summary": summary}, indent=2) + "\n")
     return 0
 

@@ -300,6 +300,66 @@ def test_groups_clipping_and_accumulation_match_ddp(run_distributed):
         _assert_same_trajectory(run_distributed(_train, 2, args=(shard,), kwargs=kw, timeout=120), ddp[0][0])
 
 
+class _Scaled(nn.Module):
+    """The MLP times a learnable 0-dim temperature, and a layer forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp, self.scale = _mlp(), nn.Parameter(torch.tensor(1.5))
+        self.unused = nn.Linear(5, 5)
+
+    def forward(self, x):
+        return self.mlp(x) * self.scale
+
+
+def _state_train(shard, kind):
+    """5 steps of 2 backward passes each, accumulated without no_sync; the optimizer's whole state
+    dict at the end (``state_dict()`` gathers it with shard='optimizer'), the weights, the losses."""
+    import torch.distributed as dist
+
+    model = _Scaled()
+    if kind == "sgd":  # groups whose state differs: momentum 0 keeps none
+        weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+        others = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+        opt = torch.optim.SGD([{"params": weights, "momentum": 0.9}, {"params": others, "momentum": 0.0}], lr=0.05)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    m = cpuddp.prepare(model, opt, shard=shard, find_unused_parameters=True)
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    losses = []
+    for _ in range(5):
+        for _ in range(2):
+            loss = nn.functional.mse_loss(m(torch.randn(8, 16, generator=g)), torch.randn(8, 3, generator=g))
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(cpuddp.reduce_mean(loss.detach()).item())
+    state = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+             for i, st in opt.state_dict()["state"].items()}
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}, state
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+def test_optimizer_state_dict_matches_ddps_with_uneven_state(run_distributed, kind):
+    """shard='optimizer' against DDP: param groups whose state keys differ, a 0-dim parameter, a
+    parameter no rank uses, accumulation without no_sync; then the gathered state dict."""
+    ddp = run_distributed(_state_train, 2, args=(None, kind), timeout=120)
+    ranks = run_distributed(_state_train, 2, args=("optimizer", kind), timeout=120)
+    _assert_same_trajectory(ranks, ddp[0][0])
+    for name, w in ranks[0][1].items():
+        assert torch.allclose(w, ddp[0][1][name], rtol=1e-5, atol=1e-7), f"{name} differs from DDP's"
+    assert torch.equal(ranks[0][1]["unused.weight"], ddp[0][1]["unused.weight"])  # never stepped
+    for r in (0, 1):
+        want, got = ddp[0][2], ranks[r][2]
+        assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+        for i in want:
+            assert sorted(got[i]) == sorted(want[i]), (i, sorted(got[i]), sorted(want[i]))
+            for k, v in want[i].items():
+                assert got[i][k].shape == v.shape, (i, k, got[i][k].shape, v.shape)
+                assert torch.allclose(got[i][k].float(), v.float(), rtol=1e-5, atol=1e-7), (i, k)
+
+
 @pytest.mark.timeout(200)
 def test_bf16_full_and_optimizer_train(run_distributed):
     for shard in ("optimizer", "full"):

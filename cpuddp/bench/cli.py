@@ -136,7 +136,7 @@ _COMPARE_BARE_GONE = (
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``cpuddp bench`` (short forms as in nccl-tests)."""
     p.add_argument("collective", type=_collective_arg, metavar="COLLECTIVE",
-                   help="allreduce, all_gather, broadcast or reduce_scatter")
+                   help=", ".join(COLLECTIVES[:-1]) + " or " + COLLECTIVES[-1])
     p.add_argument("-b", "--min", type=_size_arg, default=parse_size("1K"), metavar="SIZE",
                    help="smallest size, bytes with optional K/M/G (default 1K)")
     p.add_argument("-e", "--max", type=_size_arg, default=parse_size("64M"), metavar="SIZE",

@@ -74,6 +74,10 @@ def check_shard_request(shard: Any, options: Mapping[str, Any]) -> None:
     if options.get("compile"):
         raise PrepareError(f"compile={options['compile']!r} with shard={shard!r}: torch.compile over the sharded "
                            "model is not tested by cpuddp yet.", fix="pass compile=False with shard=")
+    if shard == "optimizer" and (options.get("ddp_kwargs") or {}).get("gradient_as_bucket_view", True) is False:
+        raise PrepareError("ddp_kwargs={'gradient_as_bucket_view': False} with shard='optimizer': the sharding "
+                           "reads the gradients from DDP's buckets, where clip_grad_norm_ scales them.",
+                           fix="drop gradient_as_bucket_view from ddp_kwargs")
     if shard == "optimizer" and options.get("comm_hook") is not None:
         raise PrepareError(f"comm_hook={options['comm_hook']!r} with shard='optimizer': the sharding is the "
                            "gradient hook.", fix="drop comm_hook, or use shard=None")
@@ -206,6 +210,10 @@ def check_shardable(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         raise PrepareError(f"the optimizer was patched by ipex.optimize (IPEX's fused step over its own "
                            f"master weights); shard={shard!r} cannot shard it.",
                            fix="pass the plain torch.optim optimizer and let prepare() choose (ipex=None)")
+    if optimizer.state and all(torch.is_tensor(st.get("step")) and not st["step"] for st in optimizer.state.values()):
+        raise PrepareError(f"{type(optimizer).__name__} creates its state in its constructor (before any step); "
+                           f"shard={shard!r} rebinds the optimizer to the sharded parameters and cannot carry it.",
+                           fix="use another optimizer with shard= (AdamW, Adam, SGD, ...), or shard=None")
     if optimizer.state:
         raise PrepareError(f"the optimizer has already stepped; shard={shard!r} rebinds it to the sharded "
                            "parameters and cannot carry the state it holds.",

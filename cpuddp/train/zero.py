@@ -49,8 +49,19 @@ __all__ = ["ELEMENTWISE", "ZeroStep", "check_zero_optimizer", "zero_hook", "zero
 _log = logging.getLogger("cpuddp.prepare")
 
 #: Optimizers whose update of an element reads only that element's parameter, gradient and
-#: state: stepping a piece of a parameter equals stepping the whole and cutting.
-ELEMENTWISE = ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "RMSprop", "Adagrad", "Adadelta", "ASGD")
+#: state (stepping a piece of a parameter equals stepping the whole and cutting), with their
+#: per-element state: the keys shaped like the parameter.  (Adagrad is element-wise too, but it
+#: creates its state in its constructor, before prepare could rebind it.)
+PER_ELEMENT = {
+    "SGD": ("momentum_buffer",), "Adam": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+    "AdamW": ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"), "Adamax": ("exp_avg", "exp_inf"),
+    "NAdam": ("exp_avg", "exp_avg_sq"), "RAdam": ("exp_avg", "exp_avg_sq"),
+    "RMSprop": ("square_avg", "momentum_buffer", "grad_avg"), "Adadelta": ("square_avg", "acc_delta"),
+    "ASGD": ("ax",),
+}
+#: Their per-parameter numbers (one value per parameter, whatever its shape).
+PER_PARAMETER = ("step", "mu_product", "eta", "mu")
+ELEMENTWISE = tuple(PER_ELEMENT)
 
 _ATTR = "_cpuddp_zero"
 
@@ -149,11 +160,16 @@ def _index(items: tuple, item: Any) -> int:
     return next(i for i, x in enumerate(items) if x is item)
 
 
-def _cut(value: Any, param: torch.Tensor, lo: int, hi: int) -> Any:
-    """A piece's share of one optimizer state value (param-shaped tensors are cut, the rest copied)."""
-    if torch.is_tensor(value) and value.shape == param.shape:
+def _cut(key: str, value: Any, per_element: tuple, lo: int, hi: int) -> Any:
+    """A piece's share of one optimizer state value (per-element values are cut, the rest copied)."""
+    if torch.is_tensor(value) and key in per_element:
         return value.reshape(-1)[lo:hi].clone()
     return value.clone() if torch.is_tensor(value) else value
+
+
+def _owner(start: int, chunk: int, world: int) -> int:
+    """The rank that holds a bucket's element ``start`` (the tail: rank 0 speaks for every rank)."""
+    return start // chunk if chunk and start < world * chunk else 0
 
 
 class ZeroStep:
@@ -161,6 +177,7 @@ class ZeroStep:
 
     def __init__(self, ddp: nn.Module, optimizer: torch.optim.Optimizer, group: Any = None) -> None:
         self.optimizer = optimizer
+        self.per_element = PER_ELEMENT[type(optimizer).__name__]
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -207,8 +224,8 @@ class ZeroStep:
 
         def finish() -> torch.Tensor:
             b.grad.div_(self.world)
-            if b.tail.numel():
-                b.tail.copy_(tail).div_(self.world)
+            if b.tail.numel():  # in DDP's bucket too: a second backward before the step adds to the mean
+                b.tail.copy_(tail.div_(self.world))
             return buf
 
         return _future(works, finish)
@@ -232,8 +249,8 @@ class ZeroStep:
             for group, params in zip(self.optimizer.param_groups, self._step_params):
                 group["params"] = params
             for b in self.buckets.values():
-                for piece in b.pieces:
-                    piece.tensor.grad = piece.grad
+                for piece in b.pieces:  # a parameter without a gradient (unused everywhere) is not stepped
+                    piece.tensor.grad = piece.grad if piece.param.grad is not None else None
 
     def _after_step(self) -> None:
         if not self.sharded:
@@ -302,7 +319,7 @@ class ZeroStep:
                 if whole:
                     for q, lo, hi, *_ in ranges:
                         if q is p:
-                            cut[(id(p), lo)] = {k: _cut(v, p, lo, hi) for k, v in whole.items()}
+                            cut[(id(p), lo)] = {k: _cut(k, v, self.per_element, lo, hi) for k, v in whole.items()}
         return cut
 
     def _bucket(self, plan: tuple, reduced: torch.Tensor, cut: dict[tuple[int, int], dict[str, Any]]) -> _Bucket:
@@ -331,7 +348,8 @@ class ZeroStep:
             for piece in b.pieces:
                 whole = state.get(piece.param)
                 if whole:
-                    state[piece.tensor] = {k: _cut(v, piece.param, piece.lo, piece.hi) for k, v in whole.items()}
+                    state[piece.tensor] = {k: _cut(k, v, self.per_element, piece.lo, piece.hi)
+                                           for k, v in whole.items()}
             for p in b.params:
                 state.pop(p, None)
 
@@ -354,30 +372,62 @@ class ZeroStep:
             opt.state = held
 
     def _gather_bucket(self, b: _Bucket) -> dict[torch.Tensor, dict[str, Any]]:
-        """Each bucket parameter's whole state, gathered from every rank's pieces."""
-        state = self.optimizer.state
-        first = next((pc for pc in b.pieces if state.get(pc.tensor)), None)
-        if first is None:  # nothing stepped yet
-            return {}
-        shaped = sorted(k for k, v in state[first.tensor].items()
-                        if torch.is_tensor(v) and v.shape == first.tensor.shape)
+        """Each bucket parameter's whole state: per-element values all-gathered from every rank's
+        pieces, per-parameter numbers from the rank holding the parameter's first element.  What
+        each parameter has is agreed first, so every rank makes the same calls whatever it holds
+        (a parameter without state yet, a key only some param groups have)."""
+        have, numbers = self._agree_state(b)
         flats = {}
-        for key in shaped:
-            flat = torch.empty_like(b.flat)
+        for ki, key in enumerate(self.per_element):
+            if not have[ki].any():
+                continue
+            flat = torch.zeros_like(b.flat)
             for piece in b.pieces:
-                start = b.offsets[_index(b.params, piece.param)] + piece.lo
-                flat[start:start + piece.hi - piece.lo].copy_(state[piece.tensor][key])
+                value = self.optimizer.state.get(piece.tensor, {}).get(key)
+                if value is not None:
+                    start = b.offsets[_index(b.params, piece.param)] + piece.lo
+                    flat[start:start + piece.hi - piece.lo].copy_(value)
             if b.chunk:
-                mine = flat[self.rank * b.chunk:(self.rank + 1) * b.chunk].clone()
-                _all_gather(flat[:b.shared], mine, group=self.group)
-            flats[key] = flat
+                _all_gather(flat[:b.shared], flat[self.rank * b.chunk:(self.rank + 1) * b.chunk].clone(),
+                            group=self.group)
+            flats[ki] = flat
+        scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32  # torch's for "step"
         out = {}
-        for p, a in zip(b.params, b.offsets):
-            entry = {k: v.clone() if torch.is_tensor(v) else v
-                     for k, v in state[first.tensor].items() if k not in flats}
-            entry.update((k, flat[a:a + p.numel()].view_as(p)) for k, flat in flats.items())
-            out[p] = entry
+        for j, (p, a) in enumerate(zip(b.params, b.offsets)):
+            entry = {key: flats[ki][a:a + p.numel()].view_as(p)
+                     for ki, key in enumerate(self.per_element) if have[ki, j]}
+            entry.update((key, torch.tensor(numbers[1, ni, j].item(), dtype=scalar))
+                         for ni, key in enumerate(PER_PARAMETER) if numbers[0, ni, j])
+            if entry:
+                out[p] = entry
         return out
+
+    def _agree_state(self, b: _Bucket) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(have, numbers)``: which per-element keys each of the bucket's parameters has
+        (``[key, param]``), and its per-parameter numbers (``[0]``: present, ``[1]``: value), as
+        the rank holding the parameter's first element says (one all-reduce)."""
+        state, keys = self.optimizer.state, self.per_element
+        k, n, params = len(keys), len(PER_PARAMETER), len(b.params)
+        table = torch.zeros(k * params + 2 * n * params + 1, dtype=torch.float64)  # the last: a key nobody knows
+        have, numbers = table[:k * params].view(k, params), table[k * params:-1].view(2, n, params)
+        for piece in b.pieces:
+            j = _index(b.params, piece.param)
+            if piece.lo or _owner(b.offsets[j], b.chunk, self.world) != self.rank:
+                continue
+            held = state.get(piece.tensor, {})
+            if any(key not in keys and key not in PER_PARAMETER for key in held):
+                table[-1] = 1.0  # said after the all-reduce, on every rank
+            for ki, key in enumerate(keys):
+                have[ki, j] = float(held.get(key) is not None)
+            for ni, key in enumerate(PER_PARAMETER):
+                if key in held:
+                    numbers[0, ni, j], numbers[1, ni, j] = 1.0, float(held[key])
+        dist.all_reduce(table, group=self.group)
+        if table[-1]:
+            raise RuntimeError(f"cpuddp shard='optimizer': {type(self.optimizer).__name__} holds optimizer state "
+                               f"other than {self.per_element + PER_PARAMETER}, which cpuddp does not know how to "
+                               "gather (a torch version cpuddp has not seen?); report it, and use shard='full' meanwhile")
+        return have > 0, numbers
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole (DDP-style) optimizer state dict; once sharded, keep this rank's pieces."""
