@@ -342,17 +342,6 @@ def plot(summary: dict[str, dict[str, Any]], cases: Sequence[str], path: Path, c
     return None
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() + f", {os.cpu_count()} vCPUs"
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default=",".join(CASES))
@@ -403,6 +392,8 @@ def drive(opts: argparse.Namespace) -> int:
                       f"step {r['opt_ms']:.1f} ms, state {r['state_bytes'] / 2**20:.0f} MiB, RSS {r['rss_mb']:.0f} MB",
                       flush=True)
     summary = {key: {c: summarize(rs) for c, rs in by_case.items() if rs} for key, by_case in runs.items()}
+    from _machine import cpu_model
+
     cpu = cpu_model()
     alloc = runs[next(iter(runs))][cases[0]][0].get("allocator")
     print(f"\n{opts.nproc} ranks x 1 thread, AdamW, median of {opts.repeats} interleaved runs; {cpu}; malloc: {alloc}\n")

@@ -190,7 +190,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       **_overlap(runs[b], opts),
                       "digests": sorted({r["params_sha256"] for r in runs[b]})}
     base = backends[0]
-    cpu = _cpu_model()
+    from _machine import cpu_model
+
+    cpu = cpu_model()
     print(f"\n{opts.nproc} ranks, {runs[base][0]['params'] / 1e6:.1f} M-parameter MLP ({opts.wrap}), batch {opts.batch} per rank, "
           f"{opts.steps} steps, median of {opts.repeats}; {cpu}\n")
     print("| backend | samples/s (min-max) | vs " + base + " | no-sync samples/s | communication share of a step | "
@@ -228,17 +230,6 @@ def _overlap(runs: Sequence[dict[str, Any]], opts: argparse.Namespace) -> dict[s
 def _hidden_text(share: float) -> str:
     """A negative share means a step paid more than the allreduces themselves: none hidden."""
     return f"{share:.0%}" if share > 0 else f"none ({share:.0%})"
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() + f", {os.cpu_count()} vCPUs"
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 if __name__ == "__main__":

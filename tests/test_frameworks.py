@@ -13,9 +13,7 @@ skip, saying why -- unless CPUDDP_REQUIRE_FRAMEWORKS=1 (.ci/frameworks.sh), wher
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 import subprocess
 import sys
@@ -24,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import launchers_util
+from frameworks_util import need
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "frameworks.md"
@@ -40,15 +39,6 @@ def recipes() -> dict[str, str]:
     found = dict(re.findall(r"<!-- recipe: ([\w-]+) -->\s*```python\n(.*?)```", PAGE.read_text(), re.S))
     assert set(found) == set(NEEDS), f"docs/frameworks.md recipes: {sorted(found)}, expected {sorted(NEEDS)}"
     return found
-
-
-def need(*modules: str) -> None:
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        msg = f"needs {', '.join(missing)}: pip install -e '.[frameworks]'"
-        if os.environ.get("CPUDDP_REQUIRE_FRAMEWORKS") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
 
 
 def write_script(tmp_path: Path, name: str, code: str) -> Path:

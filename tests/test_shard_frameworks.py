@@ -12,7 +12,6 @@ If a framework changes any of these, the page is wrong and a test here fails.  N
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import launchers_util
+from frameworks_util import need
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE = REPO / "docs" / "frameworks.md"
@@ -62,15 +62,6 @@ def _shard_probe():
 
 _shard_probe()
 '''
-
-
-def need(*modules: str) -> None:
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        msg = f"needs {', '.join(missing)}: pip install -e '.[frameworks]'"
-        if os.environ.get("CPUDDP_REQUIRE_FRAMEWORKS") == "1":
-            pytest.fail(msg)
-        pytest.skip(msg)
 
 
 def recipe(name: str) -> str:

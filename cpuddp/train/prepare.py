@@ -52,10 +52,9 @@ arguments returns the prepared model unchanged; with different arguments it rais
 what was decided and why; :func:`unwrap` returns the user's module.
 
 The steps are small functions in this module, called in order by :func:`prepare` (each
-testable alone); the parts with their own subject live beside it:
-:mod:`cpuddp.train.precision` (bf16 probe, precision decision, autocast hooks),
-:mod:`cpuddp.train.optim` (fused-Adam decision, ``ipex.optimize``) and
-:mod:`cpuddp.train.comm` (``comm_hook``, the bf16 probe and hook).
+testable alone); the parts with their own subject live beside it: :mod:`cpuddp.train.precision`
+(bf16 probe, precision decision, autocast hooks), :mod:`cpuddp.train.optim` (fused-Adam
+decision, ``ipex.optimize``) and :mod:`cpuddp.train.comm` (``comm_hook``, the bf16 hook).
 """
 
 from __future__ import annotations
@@ -392,6 +391,22 @@ def _decided(core: nn.Module, bf16: bool, reason: str) -> None:
 # --------------------------------------------------------------------------- prepare
 
 
+def _distribute(core: nn.Module, optimizer: Optional[torch.optim.Optimizer], sharding: Optional[str], do_ddp: bool,
+                bf16_params: bool, options: Mapping[str, Any], notes: list[str]) -> tuple[nn.Module, Optional[str]]:
+    """Shard (FSDP2) or wrap in DDP (with its gradient hook) as decided: ``(outer module, hook name)``."""
+    outer, hook_name = core, None
+    if sharding == "full":
+        outer = _shard_full(core, optimizer, options, bf16_params, notes)
+    elif do_ddp:
+        outer = _wrap_ddp(core, options)
+        hook_name = _gradient_hook(outer, optimizer, sharding, options, notes)
+    elif options["comm_hook"] is not None:
+        notes.append("comm_hook ignored: no DDP wrap at world size 1")
+    if sharding == "full" or do_ddp:
+        gather_places(options["process_group"])  # each rank's CPUs and threads, for Progress's header (layout.py)
+    return outer, hook_name
+
+
 def prepare(
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer] = None,
@@ -455,18 +470,9 @@ def prepare(
         model = _optimize_with_ipex(probe, model, optimizer, ipex_dtype, do_ddp and world > 1, process_group, notes)
     else:
         fused = _fuse_step(optimizer, fused_optimizer, notes)
-    core = outer = model
-    hook_name: Optional[str] = None
+    core = model
     bf16_params = sharding == "full" and dtype is not None and mixed_precision == "bf16"
-    if sharding == "full":
-        outer = _shard_full(core, optimizer, options, bf16_params, notes)
-    elif do_ddp:
-        outer = _wrap_ddp(core, options)
-        hook_name = _gradient_hook(outer, optimizer, sharding, options, notes)
-    elif comm_hook is not None:
-        notes.append("comm_hook ignored: no DDP wrap at world size 1")
-    if sharding == "full" or do_ddp:
-        gather_places(process_group)  # each rank's CPUs and threads, for Progress's header (layout.py)
+    outer, hook_name = _distribute(core, optimizer, sharding, do_ddp, bf16_params, options, notes)
     outer, compiled = _compile(outer, compile)
     precision: Optional[str] = None
     if dtype is not None:  # "auto" and "bf16" measure both precisions first (precision_trial.py)
