@@ -226,7 +226,8 @@ def test_world_size_1_is_a_no_op_with_one_log_line(shard, caplog):
 
 
 def test_helpers_at_world_size_1():
-    model = cpuddp.prepare(_mlp(), None)
+    # ipex=False: IPEX (CI's torch 2.8 job) optimizes a model prepared without an optimizer for inference
+    model = cpuddp.prepare(_mlp(), None, ipex=False)
     model(torch.randn(4, 16)).pow(2).sum().backward()
     with cpuddp.no_sync(model):
         model(torch.randn(4, 16)).pow(2).sum().backward()
@@ -324,7 +325,9 @@ def _state_train(shard, kind):
         opt = torch.optim.SGD([{"params": weights, "momentum": 0.9}, {"params": others, "momentum": 0.0}], lr=0.05)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    m = cpuddp.prepare(model, opt, shard=shard, find_unused_parameters=True)
+    # ipex=False: torch's optimizer step on both sides (with IPEX installed, shard=None would step
+    # through IPEX's fused optimizer, whose state dict has other entries)
+    m = cpuddp.prepare(model, opt, shard=shard, find_unused_parameters=True, ipex=False)
     g = torch.Generator().manual_seed(100 + dist.get_rank())
     losses = []
     for _ in range(5):
@@ -358,6 +361,40 @@ def test_optimizer_state_dict_matches_ddps_with_uneven_state(run_distributed, ki
             for k, v in want[i].items():
                 assert got[i][k].shape == v.shape, (i, k, got[i][k].shape, v.shape)
                 assert torch.allclose(got[i][k].float(), v.float(), rtol=1e-5, atol=1e-7), (i, k)
+
+
+def _full_grads_against_the_mean():
+    """shard='full': each parameter's gradient after one backward against the mean over ranks of
+    the gradients an unwrapped copy computes (largest relative difference)."""
+    import copy
+
+    import torch.distributed as dist
+
+    model = _mlp()
+    plain = copy.deepcopy(model)
+    m = cpuddp.prepare(model, torch.optim.AdamW(model.parameters()), shard="full", shard_blocks=[nn.Linear],
+                       ipex=False)
+    g = torch.Generator().manual_seed(7 + dist.get_rank())
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 3, generator=g)
+    nn.functional.mse_loss(m(x), y).backward()
+    nn.functional.mse_loss(plain(x), y).backward()
+    worst = 0.0
+    for (_, p), q in zip(model.named_parameters(), plain.parameters()):
+        want = q.grad.clone()
+        dist.all_reduce(want)
+        want /= dist.get_world_size()
+        got = p.grad.full_tensor()
+        worst = max(worst, float((got - want).abs().max() / want.abs().max()))
+    return worst
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("backend", ["gloo", "shm"])
+def test_full_gradients_are_the_mean_over_ranks(run_distributed, backend):
+    """torch 2.8's gloo reduce-scatter returns the sum for ReduceOp.AVG (FSDP2's op): cpuddp has
+    FSDP2 sum and divide on gloo, so the gradients are the mean on every torch."""
+    for worst in run_distributed(_full_grads_against_the_mean, 2, backend=backend, timeout=120):
+        assert worst < 1e-5, f"shard='full' gradients differ from the mean over ranks by {worst:.3g} (relative)"
 
 
 @pytest.mark.timeout(200)

@@ -284,6 +284,17 @@ def _mesh(shape: tuple[int, int], places: Sequence[tuple[int, int, int]], group:
     return DeviceMesh("cpu", grid, mesh_dim_names=("replicate", "shard"))
 
 
+def _reduce_scatters_over_gloo(mesh: Any) -> bool:
+    """True when the mesh's shard dimension is a gloo group.  FSDP2 reduce-scatters fp32 and bf16
+    gradients with ``ReduceOp.AVG``, and torch 2.8's gloo returns the *sum* for it (ranks holding
+    1 and 2 got 3, not 1.5): every gradient N times too large, silently (Adam hides it, its state
+    does not).  There FSDP2 is told to reduce with SUM and divide afterwards, which is right on
+    every torch."""
+    import torch.distributed as dist
+
+    return dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo"
+
+
 def _rebind(optimizer: torch.optim.Optimizer, model: nn.Module, names: list[list[str]]) -> None:
     """Point each param group at the model's (now sharded) parameters of the same names."""
     now = dict(model.named_parameters())
@@ -320,6 +331,10 @@ def apply_full(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], *, 
         # the last block's backward comes first: keep it gathered after forward (as torchtitan does)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(found) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    if _reduce_scatters_over_gloo(mesh):
+        for _, block in [*found, ("", model)]:
+            block.set_force_sum_reduction_for_comms(True)
+        notes.append("shard='full' on gloo: FSDP2 reduce-scatters a sum and divides it itself")
     if optimizer is not None:
         _rebind(optimizer, model, opt_names)
     if running_allocator() == "glibc":

@@ -57,7 +57,7 @@ def root_of(opts: Any, positional: Any, kw: Any) -> Any:
 
 
 def options(cls: Any, **values: Any) -> Any:
-    """An options object of ``cls`` (for the inner gloo group) with ``values`` set."""
+    """An options object of ``cls`` (for the gloo group of every rank, between nodes) with ``values`` set."""
     o = cls()
     for k, v in values.items():
         setattr(o, k, dist.ReduceOp(v) if k == "reduceOp" else v)
