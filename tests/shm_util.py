@@ -40,3 +40,22 @@ def launch_ranks(script: Path, n: int, mode: str, outdir: Path, *, timeout: floa
         path = outdir / f"rank{r}.json"
         reports.append(json.loads(path.read_text()) if path.exists() else {"output": out[-3000:]})
     return reports
+
+
+#: The words that start a command in a PID namespace of its own.
+UNSHARE_PID = ("unshare", "--pid", "--fork", "--mount-proc")
+
+
+def unshare_pid_or_skip() -> tuple:
+    """:data:`UNSHARE_PID`, or skip the test where a new PID namespace cannot be had (not root,
+    no unshare(1), or the kernel refuses)."""
+    import shutil
+
+    import pytest
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) for a rank in another PID namespace")
+    probe = subprocess.run([*UNSHARE_PID, "true"], capture_output=True, timeout=30)
+    if probe.returncode != 0:
+        pytest.skip(f"unshare --pid is refused here: {probe.stderr.decode()[:200]}")
+    return UNSHARE_PID

@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from cpuddp.testing import run_distributed
+from shm_util import unshare_pid_or_skip
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = REPO / "tests" / "scripts"
@@ -265,17 +266,8 @@ def _launch(mode: str, tmp_path: Path, *, prefix1: tuple = (), timeout: float = 
     return launch_ranks(SCRIPTS / "shm_faults.py", 2, mode, tmp_path, timeout=timeout, prefix=((), prefix1))
 
 
-def _unshare_pid() -> tuple:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1) for a rank in another PID namespace")
-    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30)
-    if probe.returncode != 0:
-        pytest.skip(f"unshare --pid is refused here: {probe.stderr.decode()[:200]}")
-    return ("unshare", "--pid", "--fork", "--mount-proc")
-
-
 def test_a_peer_in_another_pid_namespace_that_dies_is_an_error_in_seconds(tmp_path):
-    r0, r1 = _launch("peer_dies", tmp_path, prefix1=_unshare_pid())
+    r0, r1 = _launch("peer_dies", tmp_path, prefix1=unshare_pid_or_skip())
     assert r0.get("init") == "ok" and r0.get("first") == "ok", (r0, r1)
     assert r0["pid_ns"] != r1.get("pid_ns"), "rank 1 did not run in a PID namespace of its own"
     assert "died" in r0["second"] and "another PID namespace" in r0["second"], r0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import launchers_util
+from shm_util import unshare_pid_or_skip
 
 pytestmark = pytest.mark.slow
 
@@ -76,13 +76,8 @@ def test_a_forked_child_neither_uses_nor_ends_the_parents_group(tmp_path):
 
 
 def _pid_namespace_prefix() -> tuple:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1) for a rank in another PID namespace")
-    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30)
-    if probe.returncode != 0:
-        pytest.skip(f"unshare --pid is refused here: {probe.stderr.decode()[:200]}")
     # sh stays PID 1 of the namespace, so the rank's forked child outlives the rank
-    return ("unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", '"$@"; exit $?', "sh")
+    return (*unshare_pid_or_skip(), "sh", "-c", '"$@"; exit $?', "sh")
 
 
 @pytest.mark.parametrize("namespace", [False, True], ids=["same-pid-namespace", "own-pid-namespace"])
