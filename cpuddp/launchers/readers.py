@@ -55,11 +55,14 @@ class PartialEnv:
 
 class Variables:
     """A launcher's variables in ``environ``, read with errors that name the variable, its
-    value, the launcher (``launcher``: its human name) and the fix."""
+    value, the launcher (``launcher``: its human name) and the fix.  ``sources`` maps a field
+    to the variable it was read from, for the reads that name the field (``into=``); pass it
+    on as :attr:`PartialEnv.sources`."""
 
     def __init__(self, environ: Mapping[str, str], launcher: str) -> None:
         self.environ = environ
         self.launcher = launcher
+        self.sources: dict[str, Union[str, Provenance]] = {}
 
     def has(self, *names: str) -> bool:
         """True when any of ``names`` is set and not empty."""
@@ -75,10 +78,11 @@ class Variables:
     def error(self, msg: str, var: str, fix: str) -> LauncherEnvError:
         return LauncherEnvError(msg, variable=var, value=self.environ.get(var), launcher=self.launcher, fix=fix)
 
-    def int(self, *names: str, minimum: int = 0, fix: Optional[str] = None) -> int:
+    def int(self, *names: str, minimum: int = 0, fix: Optional[str] = None, into: Optional[str] = None) -> int:
         """The first of ``names`` that is set, as an integer >= ``minimum``; an error when
-        none is set (other variables of this launcher are: partial information)."""
-        value = self.maybe_int(*names, minimum=minimum, fix=fix)
+        none is set (other variables of this launcher are: partial information).  ``into``:
+        the field it goes to, recorded in :attr:`sources` with the variable read."""
+        value = self.maybe_int(*names, minimum=minimum, fix=fix, into=into)
         if value is None:
             raise LauncherEnvError(
                 f"{' or '.join(names)} is not set, but other {self.launcher} variables are",
@@ -89,8 +93,9 @@ class Variables:
             )
         return value
 
-    def maybe_int(self, *names: str, minimum: int = 0, fix: Optional[str] = None) -> Optional[int]:
-        """Like :meth:`int`, but None when none of ``names`` is set."""
+    def maybe_int(self, *names: str, minimum: int = 0, fix: Optional[str] = None,
+                  into: Optional[str] = None) -> Optional[int]:
+        """Like :meth:`int`, but None (and nothing recorded) when none of ``names`` is set."""
         var = self.first(*names)
         if var is None:
             return None
@@ -101,6 +106,8 @@ class Variables:
             raise self.error(f"{var} must be an integer", var, fix or f"export {var} as a whole number") from None
         if value < minimum:
             raise self.error(f"{var} must be >= {minimum}, got {value}", var, fix or f"export {var} >= {minimum}")
+        if into is not None:
+            self.sources[into] = var
         return value
 
     def local(self, out: PartialEnv, rank_vars: tuple[str, ...], size_vars: tuple[str, ...]) -> None:
@@ -125,7 +132,8 @@ class LauncherReader:
     ``description``: the launcher's human name in messages.  ``rank_variable``: its
     per-process rank variable, if any; another family's disagreeing rank variable is then an
     error (two launchers describing one process).  Implement :meth:`detect` and :meth:`read`;
-    both are pure functions of ``environ``.  Register an instance with
+    both are pure functions of ``environ``.  :meth:`declined` may log why the launcher's
+    variables did not describe this process.  Register an instance with
     :func:`cpuddp.launchers.register_launcher`.
     """
 
@@ -138,6 +146,10 @@ class LauncherReader:
     def detect(self, environ: Mapping[str, str]) -> bool:
         """True when this launcher's variables describe this process."""
         raise NotImplementedError
+
+    def declined(self, environ: Mapping[str, str]) -> None:
+        """Called by :func:`cpuddp.launchers.detect` when it tried this reader and :meth:`detect`
+        was false (the readers before it did not match either); the default does nothing."""
 
     def read(self, environ: Mapping[str, str]) -> PartialEnv:
         """What the launcher said (called only when :meth:`detect` is true).  Raise
@@ -168,20 +180,16 @@ class TorchrunReader(LauncherReader):
         v = self.variables(environ)
         fix = "run the script with torchrun (it sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* for each worker)"
         out = PartialEnv(
-            rank=v.int("RANK", fix=fix),
-            world_size=v.int("WORLD_SIZE", minimum=1, fix=fix),
-            local_rank=v.int("LOCAL_RANK", fix=fix),
-            local_world_size=v.maybe_int("LOCAL_WORLD_SIZE", minimum=1),
-            node_rank=v.maybe_int("GROUP_RANK"),
+            rank=v.int("RANK", fix=fix, into="rank"),
+            world_size=v.int("WORLD_SIZE", minimum=1, fix=fix, into="world_size"),
+            local_rank=v.int("LOCAL_RANK", fix=fix, into="local_rank"),
+            local_world_size=v.maybe_int("LOCAL_WORLD_SIZE", minimum=1, into="local_world_size"),
+            node_rank=v.maybe_int("GROUP_RANK", into="node_rank"),
             num_nodes=v.maybe_int("GROUP_WORLD_SIZE", minimum=1),
             job_id=environ.get("TORCHELASTIC_RUN_ID") or None,
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            sources=v.sources,
         )
-        out.sources.update(rank="RANK", world_size="WORLD_SIZE", local_rank="LOCAL_RANK")
-        if out.local_world_size is not None:
-            out.sources["local_world_size"] = "LOCAL_WORLD_SIZE"
-        if out.node_rank is not None:
-            out.sources["node_rank"] = "GROUP_RANK"
         for var in ("MASTER_ADDR", "MASTER_PORT") if out.agent_store else ():
             if not v.has(var):
                 raise LauncherEnvError(
@@ -214,11 +222,11 @@ class HydraReader(LauncherReader):
         v = self.variables(environ)
         fix = "launch with Intel MPI or MPICH `mpiexec -n N python ...`, which sets PMI_RANK and PMI_SIZE"
         out = PartialEnv(
-            rank=v.int("PMI_RANK", fix=fix),
-            world_size=v.int("PMI_SIZE", minimum=1, fix=fix),
+            rank=v.int("PMI_RANK", fix=fix, into="rank"),
+            world_size=v.int("PMI_SIZE", minimum=1, fix=fix, into="world_size"),
             job_id=v.job_id("I_MPI_HYDRA_UUID", "PMIX_NAMESPACE"),
+            sources=v.sources,
         )
-        out.sources.update(rank="PMI_RANK", world_size="PMI_SIZE")
         # Older Hydra and PMI-2 launchers (srun --mpi=pmi2) give no local rank of their own.
         v.local(out, ("MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"), ("MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"))
         return out
@@ -235,15 +243,15 @@ class PmixReader(LauncherReader):
 
     def read(self, environ: Mapping[str, str]) -> PartialEnv:
         v = self.variables(environ)
-        rank = v.int("PMIX_RANK")
+        rank = v.int("PMIX_RANK", into="rank")
         world = v.int(
             "WORLD_SIZE",
             minimum=1,
             fix="PMIx keeps the job size behind its API: export WORLD_SIZE (and LOCAL_RANK, LOCAL_WORLD_SIZE), "
             "or launch with Open MPI mpirun / srun, which set the sizes",
+            into="world_size",
         )
-        out = PartialEnv(rank=rank, world_size=world, job_id=v.job_id("PMIX_NAMESPACE"))
-        out.sources.update(rank="PMIX_RANK", world_size="WORLD_SIZE")
+        out = PartialEnv(rank=rank, world_size=world, job_id=v.job_id("PMIX_NAMESPACE"), sources=v.sources)
         v.local(out, ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",))
         return out
 
@@ -259,11 +267,11 @@ class OpenMPIReader(LauncherReader):
         v = self.variables(environ)
         fix = "launch with Open MPI `mpirun -n N python ...`, which sets OMPI_COMM_WORLD_RANK and _SIZE"
         out = PartialEnv(
-            rank=v.int("OMPI_COMM_WORLD_RANK", fix=fix),
-            world_size=v.int("OMPI_COMM_WORLD_SIZE", minimum=1, fix=fix),
+            rank=v.int("OMPI_COMM_WORLD_RANK", fix=fix, into="rank"),
+            world_size=v.int("OMPI_COMM_WORLD_SIZE", minimum=1, fix=fix, into="world_size"),
             job_id=v.job_id("PMIX_NAMESPACE", "OMPI_MCA_orte_ess_jobid", "OMPI_MCA_ess_base_jobid"),
+            sources=v.sources,
         )
-        out.sources.update(rank="OMPI_COMM_WORLD_RANK", world_size="OMPI_COMM_WORLD_SIZE")
         v.local(out, ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",))
         # OMPI_COMM_WORLD_NODE_RANK is this process's rank among all processes on the node (across
         # jobs), not the node index: validate it, never use it as node_rank.
@@ -282,11 +290,11 @@ class MvapichReader(LauncherReader):
         v = self.variables(environ)
         fix = "launch with MVAPICH2 `mpirun_rsh`/`mpiexec`, which sets MV2_COMM_WORLD_RANK and _SIZE"
         out = PartialEnv(
-            rank=v.int("MV2_COMM_WORLD_RANK", fix=fix),
-            world_size=v.int("MV2_COMM_WORLD_SIZE", minimum=1, fix=fix),
+            rank=v.int("MV2_COMM_WORLD_RANK", fix=fix, into="rank"),
+            world_size=v.int("MV2_COMM_WORLD_SIZE", minimum=1, fix=fix, into="world_size"),
             job_id=v.job_id("MPIRUN_ID"),
+            sources=v.sources,
         )
-        out.sources.update(rank="MV2_COMM_WORLD_RANK", world_size="MV2_COMM_WORLD_SIZE")
         v.local(out, ("MV2_COMM_WORLD_LOCAL_RANK",), ("MV2_COMM_WORLD_LOCAL_SIZE",))
         return out
 
@@ -298,28 +306,27 @@ class SlurmReader(LauncherReader):
 
     def detect(self, environ: Mapping[str, str]) -> bool:
         v = self.variables(environ)
-        if not v.has("SLURM_PROCID"):
-            return False
-        if not v.has("SLURM_STEP_ID", "SLURM_STEPID"):
-            # A batch script or salloc shell: the SLURM_* variables describe the allocation, and
-            # this process was not started as one of N tasks.  That is a single process.
+        # Without a step id this is a batch script or salloc shell: the SLURM_* variables describe
+        # the allocation, and this process was not started as one of N tasks (a single process).
+        return v.has("SLURM_PROCID") and v.has("SLURM_STEP_ID", "SLURM_STEPID")
+
+    def declined(self, environ: Mapping[str, str]) -> None:
+        v = self.variables(environ)
+        if v.has("SLURM_PROCID") and not v.has("SLURM_STEP_ID", "SLURM_STEPID"):
             _log_batch_shell(environ)
-            return False
-        return True
 
     def read(self, environ: Mapping[str, str]) -> PartialEnv:
         v = self.variables(environ)
         fix = "launch the tasks with `srun` (it sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID)"
-        size_vars = ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
         out = PartialEnv(
-            rank=v.int("SLURM_PROCID", fix=fix),
-            world_size=v.int(*size_vars, minimum=1, fix=fix),
-            local_rank=v.int("SLURM_LOCALID", fix=fix),
-            node_rank=v.int("SLURM_NODEID", fix=fix),
+            rank=v.int("SLURM_PROCID", fix=fix, into="rank"),
+            world_size=v.int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS", minimum=1, fix=fix,
+                             into="world_size"),
+            local_rank=v.int("SLURM_LOCALID", fix=fix, into="local_rank"),
+            node_rank=v.int("SLURM_NODEID", fix=fix, into="node_rank"),
             num_nodes=v.maybe_int("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", minimum=1),
+            sources=v.sources,
         )
-        out.sources.update(rank="SLURM_PROCID", world_size=v.first(*size_vars) or "",
-                           local_rank="SLURM_LOCALID", node_rank="SLURM_NODEID")
         job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
         step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
         out.job_id = f"slurm:{job}.{step}" if job else None
@@ -356,8 +363,7 @@ def _slurm_local_size(v: Variables, out: PartialEnv) -> None:
         out.local_world_size = per_node[out.node_rank or 0]
         out.sources["local_world_size"] = Provenance.derived(f"{tpn_var}[SLURM_NODEID]")
     elif v.has("SLURM_NTASKS_PER_NODE"):
-        out.local_world_size = v.int("SLURM_NTASKS_PER_NODE", minimum=1)
-        out.sources["local_world_size"] = "SLURM_NTASKS_PER_NODE"
+        out.local_world_size = v.int("SLURM_NTASKS_PER_NODE", minimum=1, into="local_world_size")
     elif out.num_nodes == 1:
         out.local_world_size = out.world_size
         out.sources["local_world_size"] = Provenance.derived("one node")
@@ -410,15 +416,13 @@ class PlainEnvReader(LauncherReader):
             raise _framework_child(environ)
         fix = "export both RANK and WORLD_SIZE (as Kubeflow PyTorchJob does), or launch with torchrun or mpiexec"
         out = PartialEnv(
-            rank=v.int("RANK", fix=fix),
-            world_size=v.int("WORLD_SIZE", minimum=1, fix=fix),
-            node_rank=v.maybe_int("NODE_RANK", "GROUP_RANK"),
+            rank=v.int("RANK", fix=fix, into="rank"),
+            world_size=v.int("WORLD_SIZE", minimum=1, fix=fix, into="world_size"),
+            node_rank=v.maybe_int("NODE_RANK", "GROUP_RANK", into="node_rank"),
             # A torchrun-like agent (cpuddp.testing) may host the store for every rank.
             agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
+            sources=v.sources,
         )
-        out.sources.update(rank="RANK", world_size="WORLD_SIZE")
-        if out.node_rank is not None:
-            out.sources["node_rank"] = v.first("NODE_RANK", "GROUP_RANK") or ""
         self._local(v, out)
         return out
 

@@ -219,6 +219,7 @@ def detect(environ: Mapping[str, str]) -> DistEnv:
             part = reader.read(environ)
             _check_conflicts(environ, name, part)
             return _finish(environ, name, reader, part)
+        reader.declined(environ)  # a reader may say why its variables do not describe this process
     return _single_process(environ)
 
 
