@@ -21,7 +21,8 @@ The order, and why:
    local size and node rank from the hosts themselves (two ranks on one host launched
    Kubeflow-style are seen as such), with no collective, no pickle and no numpy.
 4. **Choose the backend** (:func:`cpuddp.backends.resolve_backend`) from that layout; the
-   ranks compare their choices through the store, so they never form mismatched groups.
+   ranks compare their choices through the store (:func:`cpuddp.backends.forming.agree_backend`),
+   so they never form mismatched groups.
 5. **Plan and pin** (:mod:`cpuddp.affinity`): the compute threads -- this thread and every
    thread that existed before init, OpenMP's pool among them -- go to the rank's own cores.
    The ranks then say "ready" through the store.
@@ -62,7 +63,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import dataclasses
 import datetime
 import logging
 import os
@@ -70,6 +70,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Optional
 
+from cpuddp.backends import forming
 from cpuddp.launchers import hosts
 from cpuddp.launchers.env import DistEnv, Provenance
 from cpuddp.launchers.exports import DEFAULT_TIMEOUT, Exports, Timeout
@@ -83,6 +84,9 @@ from ._compat import TESTED_TORCH, check_torch_version, older_than_tested
 from .errors import BackendError, RendezvousError
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import Store
+
+    from cpuddp.affinity.pin import PinState
     from cpuddp.affinity.plan import PinPlan
     from cpuddp.backends.types import BackendChoice
 
@@ -125,29 +129,52 @@ class _Undo:
 
     generation: int
     exports: Exports = field(default_factory=Exports)
-    keep: Any = None  # keeps the store (and its listening socket) alive with the group
-    pin_state: Any = None
+    keep: Optional["Store"] = None  # keeps the store (and its listening socket) alive with the group
+    pin_state: Optional["PinState"] = None
     pid: int = field(default_factory=os.getpid)  # a forked child is not this rank: it undoes nothing
 
 
-_lock = threading.RLock()
-_current: Optional[Session] = None
-_undo_log: Optional[_Undo] = None
-_generation = 0
-#: Set when torch's teardown of our group did not return: that group cannot be reused.
-_abandoned: Optional[str] = None
-_atexit_registered = False
+@dataclass
+class _Process:
+    """This process's session: the one instance is :data:`_state`, read and changed under ``lock``."""
+
+    lock: "threading.RLock" = field(default_factory=threading.RLock)
+    current: Optional[Session] = None
+    undo: Optional[_Undo] = None  # what the current session's init put in place
+    generation: int = 0  # how many inits this process began (the store keys of each are its own)
+    #: Set when torch's teardown of our group did not return: that group cannot be reused.
+    abandoned: Optional[str] = None
+    atexit_registered: bool = False
+
+    def next_undo(self) -> _Undo:
+        """The undo log of a new init, under the next generation."""
+        self.generation += 1
+        return _Undo(self.generation)
+
+    def forget(self) -> None:
+        """No current session (its undo is done, or is another process's)."""
+        self.current, self.undo = None, None
+
+
+_state = _Process()
+
+
+def __getattr__(name: str) -> Any:
+    """``distributed._abandoned``: the teardown that did not return (None when none)."""
+    if name == "_abandoned":
+        return _state.abandoned
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_env() -> Optional[DistEnv]:
     """The :class:`DistEnv` of the current process group, or None before :func:`init_distributed`."""
-    return None if _current is None else _current.env
+    return None if _state.current is None else _state.current.env
 
 
 def get_session() -> Optional[Session]:
     """The current :class:`Session` (env, backend, pinning plan), or None before
     :func:`init_distributed`."""
-    return _current
+    return _state.current
 
 
 def init_distributed(
@@ -170,8 +197,7 @@ def init_distributed(
     Safe to call twice: a second call returns the current :class:`DistEnv`.  What init chose
     (backend, pinning plan) is in :func:`get_session`.
     """
-    global _current, _undo_log, _generation
-    with _lock:
+    with _state.lock:
         environ = os.environ if environ is None else environ
         _configure_logging(environ)
         td = _timeout(timeout, environ)
@@ -185,14 +211,13 @@ def init_distributed(
         _clear_stale()
         if env.master_addr == "":
             env = env.replace(master_addr=mpi_master_addr(env))
-        _generation += 1
-        undo = _Undo(_generation)
+        undo = _state.next_undo()
         try:
             current = _join(env, backend, td, pin, environ, undo)
         except BaseException:
             _undo(undo)
             raise
-        _current, _undo_log = current, undo
+        _state.current, _state.undo = current, undo
         _register_atexit()
         ddp_check.install(current.env.world_size)  # warns when an optimizer steps an unwrapped model
         _log_ready(current)
@@ -202,11 +227,10 @@ def init_distributed(
 def _clear_stale() -> None:
     """No group exists: forget one that is gone -- torch's teardown that finished late, or
     our group that the user destroyed themselves (finish the job: undo our changes)."""
-    global _current, _undo_log
     _destroy_group(SHUTDOWN_TIMEOUT)  # clears a stale "abandoned" mark once the group is gone
-    if _undo_log is not None:
-        _undo(_undo_log)
-        _current, _undo_log = None, None
+    if _state.undo is not None:
+        _undo(_state.undo)
+        _state.forget()
 
 
 def _log_ready(current: Session) -> None:
@@ -236,36 +260,36 @@ def _adopt(env: DistEnv, backend: str) -> Session:
     """The group already exists: ours (return it), a dead one of ours (refuse), or one the
     user made with torch's own ``init_process_group`` (adopt it).  A named backend other than
     the live group's is an error, never the old group."""
-    global _current
     import torch.distributed as dist
 
-    if _abandoned is not None:
+    if _state.abandoned is not None:
         raise RendezvousError(
-            f"the previous process group of this process could not be torn down ({_abandoned}); "
+            f"the previous process group of this process could not be torn down ({_state.abandoned}); "
             "a new one cannot be formed beside it",
             fix="restart the process (a peer probably died mid-collective); in a notebook, restart the kernel",
         )
-    live = _current.backend if _current is not None else str(dist.get_backend())
+    current = _state.current
+    live = current.backend if current is not None else str(dist.get_backend())
     asked = backend.strip().lower() if isinstance(backend, str) else backend
     if asked != "auto" and asked != live:
         raise BackendError(
             f"init_distributed(backend={backend!r}) was called while a {live!r} process group exists in this process",
             fix=f"call cpuddp.shutdown() first to form a {backend!r} group, or pass backend={live!r} (or 'auto') "
                 "to get the live one")
-    if _current is not None:
+    if current is not None:
         log.debug("init_distributed: already initialized; returning the current DistEnv")
-        return _current
+        return current
     env = env.replace(rank=dist.get_rank(), world_size=dist.get_world_size())
-    _current = Session(env, backend=str(dist.get_backend()))
-    log.debug("init_distributed: adopting an existing process group: %s (backend %s)", env, _current.backend)
-    return _current
+    _state.current = Session(env, backend=str(dist.get_backend()))
+    log.debug("init_distributed: adopting an existing process group: %s (backend %s)", env, _state.current.backend)
+    return _state.current
 
 
 def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
           environ: MutableMapping[str, str], undo: _Undo) -> Session:
     """Steps 2-6 of the module docstring: meet, gather, agree, plan and pin, form, check."""
     from cpuddp.affinity import pin as affinity
-    from cpuddp.backends import forming
+    from cpuddp.backends.registry import load_backend
 
     before = affinity.thread_ids()  # the compute threads (this one, OpenMP's) and the user's
     wide = hosts.allowed_cpus() or None  # where communication threads may run
@@ -274,8 +298,11 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
     said_local = hosts.launcher_local_size(env)  # before the hosts gathered replace it
     try:
         env, local_cpus = _gather_layout(env, store, f"{step}/host", td)
-        choice = _agree_backend(backend, env, store, f"{step}/backend", td, environ, _node_cpus(local_cpus))
-        plan = _plan_and_pin(env, choice, pin, environ, local_cpus, before, undo)
+        choice = forming.agree_backend(backend, env, store, f"{step}/backend", td, environ, _node_cpus(local_cpus))
+        plan = _plan(env, choice, pin, environ, local_cpus)
+        _export(env, choice, plan, environ, undo)
+        load_backend(choice)
+        _pin(plan, before, undo)
         if store is not None:
             hosts.exchange(store, f"{step}/ready", env.rank, env.world_size, "ok", td, what="ready")
     except BaseException as exc:
@@ -293,7 +320,7 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
     return Session(env, backend=choice.name, pin_plan=plan)
 
 
-def _meet(env: DistEnv, td: datetime.timedelta, environ: Mapping[str, str], undo: _Undo) -> Any:
+def _meet(env: DistEnv, td: datetime.timedelta, environ: Mapping[str, str], undo: _Undo) -> Optional["Store"]:
     """Step 2: the job's store (None for a world of one); ``undo`` keeps it alive."""
     if env.world_size == 1:
         return None
@@ -309,31 +336,45 @@ def _node_cpus(local_cpus: Optional[tuple[frozenset[int], ...]]) -> Optional[int
     return len(hosts.allowed_cpus()) or None
 
 
-def _plan_and_pin(env: DistEnv, choice: "BackendChoice", pin: bool, environ: MutableMapping[str, str],
-                  local_cpus: Optional[tuple[frozenset[int], ...]], before: Any, undo: _Undo) -> Optional["PinPlan"]:
-    """Step 5: plan the pinning, export the rank's and the backend's variables, load the
-    backend, then pin the compute threads (``before``) to the plan."""
+def _plan(env: DistEnv, choice: "BackendChoice", pin: bool, environ: Mapping[str, str],
+          local_cpus: Optional[tuple[frozenset[int], ...]]) -> Optional["PinPlan"]:
+    """Step 5 begins: the pinning plan for this rank (None with ``pin=False``)."""
+    if not pin:
+        return None
     from cpuddp.affinity import pin as affinity
-    from cpuddp.backends.registry import load_backend
+
+    return affinity.plan_for(env, backend=choice.name, environ=environ, local_cpus=local_cpus)
+
+
+def _export(env: DistEnv, choice: "BackendChoice", plan: Optional["PinPlan"], environ: MutableMapping[str, str],
+            undo: _Undo) -> None:
+    """Export the rank's variables (to ``environ``) and the backend's and the plan's (to
+    ``os.environ``), before the backend loads and reads them."""
     from cpuddp.backends.settings import backend_env
 
-    plan = affinity.plan_for(env, backend=choice.name, environ=environ, local_cpus=local_cpus) if pin else None
     # A plain `python` run (no launcher, world of 1) exports no rank variables: a framework reads
     # LOCAL_RANK as "an outside launcher started me" (Lightning) and would not start its own ranks.
     if env.launcher != "none":
         undo.exports.export(environ, env.exported(), reason="describes this process to torch and child processes",
                             strict=True)
     undo.exports.export(os.environ, backend_env(env, choice, plan, os.environ), reason="backend setting")
-    load_backend(choice)
-    if plan is not None:
-        undo.pin_state = affinity.apply_plan(plan, os.environ, threads=before)
-    return plan
 
+
+def _pin(plan: Optional["PinPlan"], before: frozenset[int], undo: _Undo) -> None:
+    """Pin the compute threads (``before``: those that existed before init) to ``plan``."""
+    if plan is None:
+        return
+    from cpuddp.affinity import pin as affinity
+
+    undo.pin_state = affinity.apply_plan(plan, os.environ, threads=before)
+
+
+_agree_backend = forming.agree_backend  # step 4 (tests call it by this name)
 
 _LAYOUT_SOURCE = Provenance.derived("hosts gathered at init")
 
 
-def _gather_layout(env: DistEnv, store: Any, name: str,
+def _gather_layout(env: DistEnv, store: Optional["Store"], name: str,
                    td: datetime.timedelta) -> tuple[DistEnv, Optional[tuple[frozenset[int], ...]]]:
     """Step 3: gather every rank's host and CPUs; return ``env`` with the layout they show,
     and the allowed CPU sets of the ranks on this host (local-rank order; None for a world of 1)."""
@@ -347,43 +388,6 @@ def _gather_layout(env: DistEnv, store: Any, name: str,
         f"rendezvous at {where}: start them (check the launcher's rank count and their logs), or fix the world size")
     lay = hosts.layout(records, env.rank)
     return hosts.apply_layout(env, lay, _LAYOUT_SOURCE), lay.local_cpus
-
-
-def _agree_backend(requested: str, env: DistEnv, store: Any, name: str, td: datetime.timedelta,
-                   environ: Mapping[str, str], node_cpus: Optional[int] = None) -> Any:
-    """This rank's backend choice, checked against every other rank's through the store.
-    Under "auto", ranks that disagree (a binding on some nodes only) all take gloo."""
-    from cpuddp.backends import registry as backends
-    from cpuddp.launchers import store_values
-
-    choice = backends.resolve_backend(requested, env, environ=environ, node_cpus=node_cpus)
-    if store is not None:
-        names = hosts.exchange(store, name, env.rank, env.world_size, choice.name, td, what="backend")
-        names = [store_values.backend_name(f"{name}/{r}", n) for r, n in enumerate(names)]
-        if len(set(names)) > 1:
-            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
-            if requested.strip().lower() != "auto":
-                raise BackendError(f"the ranks asked for different backends ({shown})",
-                                   fix="pass the same backend= on every rank")
-            gloo = backends.resolve_backend("gloo", env, environ=environ)
-            choice = dataclasses.replace(gloo, reason=f"auto: the ranks' choices differ ({shown}); gloo runs everywhere")
-        elif choice.inter is not None:  # every rank chose shm across the same nodes
-            choice = _agree_inter(choice, env, store, f"{name}/inter", td)
-    if env.is_main:
-        log.info("cpuddp: backend %s (%s)", choice.name, choice.reason)
-    return choice
-
-
-def _agree_inter(choice: Any, env: DistEnv, store: Any, name: str, td: datetime.timedelta) -> Any:
-    """shm's node-to-node leg: oneCCL only when every rank has working bindings, else gloo."""
-    from cpuddp.launchers import store_values
-
-    legs = hosts.exchange(store, name, env.rank, env.world_size, choice.inter, td, what="backend")
-    legs = [store_values.backend_name(f"{name}/{r}", n) for r, n in enumerate(legs)]
-    if len(set(legs)) == 1:
-        return choice
-    return dataclasses.replace(choice, inter="gloo", reason=f"{choice.reason}; between nodes gloo after all: "
-                               f"not every rank has working oneCCL bindings ({', '.join(sorted(set(legs)))})")
 
 
 def _size_var(env: DistEnv) -> str:
@@ -402,30 +406,28 @@ def shutdown(timeout: float = SHUTDOWN_TIMEOUT) -> None:
     worker, a helper that exits through ``sys.exit``) it only forgets the parent's session:
     the group, the store and the pinning are the parent's.
     """
-    global _current, _undo_log
-    with _lock:
-        if _undo_log is not None and _undo_log.pid != os.getpid():
-            _current, _undo_log = None, None
+    with _state.lock:
+        if _state.undo is not None and _state.undo.pid != os.getpid():
+            _state.forget()
             return
         from cpuddp.watchdog import monitor as watchdog
 
         watchdog.stop()  # first: it says "done" through the store the group is about to drop
         ddp_check.uninstall()
         _destroy_group(timeout)
-        if _undo_log is not None:
-            _undo(_undo_log)
-        _current, _undo_log = None, None
+        if _state.undo is not None:
+            _undo(_state.undo)
+        _state.forget()
 
 
 def _destroy_group(timeout: float) -> None:
     """``destroy_process_group`` in a thread, waited for at most ``timeout`` seconds."""
-    global _abandoned
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
-        _abandoned = None  # whatever hung has ended since
+        _state.abandoned = None  # whatever hung has ended since
         return
-    if _abandoned is not None:
+    if _state.abandoned is not None:
         return
     from cpuddp.backends.registry import leave_all
 
@@ -442,8 +444,8 @@ def _destroy_group(timeout: float) -> None:
 
     threading.Thread(target=_destroy, name="cpuddp-shutdown", daemon=True).start()
     if not done.wait(timeout):
-        _abandoned = f"destroy_process_group did not return within {timeout:.0f} s"
-        log.warning("cpuddp: %s; abandoning it", _abandoned)
+        _state.abandoned = f"destroy_process_group did not return within {timeout:.0f} s"
+        log.warning("cpuddp: %s; abandoning it", _state.abandoned)
 
 
 def _undo(undo: _Undo) -> None:
@@ -473,7 +475,6 @@ def session(backend: str = "auto", **kwargs: Any) -> Iterator[DistEnv]:
 
 
 def _register_atexit() -> None:
-    global _atexit_registered
-    if not _atexit_registered:
+    if not _state.atexit_registered:
         atexit.register(shutdown)
-        _atexit_registered = True
+        _state.atexit_registered = True

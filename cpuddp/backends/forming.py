@@ -1,6 +1,8 @@
-"""Forming the process group init chose, and proving it works.
+"""Agreeing on the backend, forming the process group init chose, and proving it works.
 
-:func:`group_options` is what the chosen backend gets as ``pg_options`` (the shm group's
+:func:`agree_backend` is this rank's choice checked against every other rank's through the
+job's store (:func:`agree_inter` does the same for shm's node-to-node leg), so the ranks
+never form mismatched groups.  :func:`group_options` is what the chosen backend gets as ``pg_options`` (the shm group's
 :class:`~cpuddp.backends.shm.api.ShmOptions`); :func:`form_group` calls torch's
 ``init_process_group`` with the job's store (an error naming the rendezvous and the interface
 fix when the ranks cannot connect); :func:`first_collective` runs one small all_reduce, so a
@@ -10,19 +12,64 @@ backend that forms a group but cannot communicate fails at init with its explana
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
+import logging
 import os
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from cpuddp.errors import BackendError, RendezvousError, first_line
 
 if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import Store
+
     from cpuddp.affinity.plan import PinPlan
     from cpuddp.launchers.env import DistEnv
 
     from .types import BackendChoice
 
-__all__ = ["group_options", "form_group", "first_collective"]
+__all__ = ["agree_backend", "agree_inter", "group_options", "form_group", "first_collective"]
+
+log = logging.getLogger("cpuddp")
+
+
+def agree_backend(requested: str, env: "DistEnv", store: Optional["Store"], name: str, td: datetime.timedelta,
+                  environ: Mapping[str, str], node_cpus: Optional[int] = None) -> "BackendChoice":
+    """This rank's backend choice, checked against every other rank's through the store.
+    Under "auto", ranks that disagree (a binding on some nodes only) all take gloo."""
+    from cpuddp.launchers import hosts, store_values
+
+    from . import registry as backends  # through the module: tests replace resolve_backend there
+
+    choice = backends.resolve_backend(requested, env, environ=environ, node_cpus=node_cpus)
+    if store is not None:
+        names = hosts.exchange(store, name, env.rank, env.world_size, choice.name, td, what="backend")
+        names = [store_values.backend_name(f"{name}/{r}", n) for r, n in enumerate(names)]
+        if len(set(names)) > 1:
+            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
+            if requested.strip().lower() != "auto":
+                raise BackendError(f"the ranks asked for different backends ({shown})",
+                                   fix="pass the same backend= on every rank")
+            gloo = backends.resolve_backend("gloo", env, environ=environ)
+            choice = dataclasses.replace(gloo, reason=f"auto: the ranks' choices differ ({shown}); gloo runs everywhere")
+        elif choice.inter is not None:  # every rank chose shm across the same nodes
+            choice = agree_inter(choice, env, store, f"{name}/inter", td)
+    if env.is_main:
+        log.info("cpuddp: backend %s (%s)", choice.name, choice.reason)
+    return choice
+
+
+def agree_inter(choice: "BackendChoice", env: "DistEnv", store: "Store", name: str,
+                td: datetime.timedelta) -> "BackendChoice":
+    """shm's node-to-node leg: oneCCL only when every rank has working bindings, else gloo."""
+    from cpuddp.launchers import hosts, store_values
+
+    legs = hosts.exchange(store, name, env.rank, env.world_size, choice.inter, td, what="backend")
+    legs = [store_values.backend_name(f"{name}/{r}", n) for r, n in enumerate(legs)]
+    if len(set(legs)) == 1:
+        return choice
+    return dataclasses.replace(choice, inter="gloo", reason=f"{choice.reason}; between nodes gloo after all: "
+                               f"not every rank has working oneCCL bindings ({', '.join(sorted(set(legs)))})")
 
 
 def group_options(choice: "BackendChoice", plan: Optional["PinPlan"], said_local: Optional[int]) -> Any:
