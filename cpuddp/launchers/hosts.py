@@ -11,8 +11,9 @@ A rank that fails between two exchanges publishes its error in place of its valu
 (:func:`publish_error`), so the others raise at once naming it instead of waiting out the
 timeout.
 
-:func:`host_identity` is what tells hosts apart: hostname, boot id and network namespace, so
-two network namespaces on one machine count as two hosts, as they do for gloo.
+:func:`~cpuddp.topology.here.host_identity` is what tells hosts apart: hostname, boot id and
+network namespace, so two network namespaces on one machine count as two hosts, as they do for
+gloo.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import contextlib
 import datetime
 import json
 import logging
-import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from cpuddp.errors import RendezvousError
+from cpuddp.topology.here import allowed_cpus, host_identity, machine_of, pid_alive  # noqa: F401 (re-exported)
 
 from . import store_values
 from .env import DistEnv, Provenance, Source
@@ -34,9 +34,6 @@ from .env import DistEnv, Provenance, Source
 log = logging.getLogger("cpuddp")
 
 __all__ = [
-    "host_identity",
-    "machine_of",
-    "pid_alive",
     "HostRecord",
     "Layout",
     "exchange",
@@ -50,52 +47,6 @@ __all__ = [
 
 #: Marks a published value as a rank's error rather than its answer.
 _ERROR = "!"
-
-
-def host_identity(namespaces: tuple[str, ...] = ("net",)) -> str:
-    """What distinguishes hosts: hostname, boot id and the given Linux namespaces (the
-    network namespace by default; the watchdog adds "pid": two processes with the same
-    identity then see each other's PIDs)."""
-    parts = [socket.gethostname(), ""]  # a field each, empty when unreadable: machine_of reads field 2
-    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
-        parts[1] = f.read().strip()
-    for ns in namespaces:
-        ino = ""
-        with contextlib.suppress(OSError):
-            ino = str(os.stat(f"/proc/self/ns/{ns}").st_ino)
-        parts.append(ino)
-    return "|".join(parts)
-
-
-def machine_of(identity: str) -> str:
-    """The machine part of a :func:`host_identity` (pure): its boot id -- one per running
-    kernel, shared by every container on it, whatever their hostname -- else its hostname."""
-    fields = identity.split("|")
-    return f"boot:{fields[1]}" if len(fields) > 1 and fields[1] else f"host:{fields[0]}"
-
-
-def pid_alive(pid: int) -> bool:
-    """Is ``pid`` a live, non-zombie process?  Meaningful only for a process with this one's
-    ``host_identity(("net", "pid"))`` (same host and PID namespace)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
-def allowed_cpus() -> tuple[int, ...]:
-    """The CPUs this process may run on now (empty where the platform cannot say)."""
-    try:
-        return tuple(sorted(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return ()
 
 
 @dataclass(frozen=True)

@@ -16,18 +16,11 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
 from cpuddp.errors import BackendError
-from cpuddp.launchers.hosts import allowed_cpus, host_identity
+from cpuddp.topology.here import allowed_cpus, host_identity, pid_namespace
 
-__all__ = ["NodePlan", "whoami", "parse_who", "plan_node", "pid_namespace", "check_local_size"]
+__all__ = ["NodePlan", "whoami", "parse_who", "plan_node", "check_local_size"]
 
 _STORE_FIX = "give the job a store only it uses (its own MASTER_PORT), and see docs/security.md"
-
-
-def pid_namespace() -> str:
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "?"
 
 
 def whoami() -> str:
