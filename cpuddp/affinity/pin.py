@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, MutableMappi
 
 from cpuddp.launchers.hosts import pairwise_disjoint
 from cpuddp.launchers.parsers import positive_int
+from cpuddp.topology import here
 from cpuddp.topology.model import Topology, format_cpulist, parse_cpulist
 from cpuddp.topology.read import read_topology
 
@@ -88,6 +89,7 @@ __all__ = [
     "current_plan",
     "thread_affinity",
     "thread_ids",
+    "set_affinity",
     "launcher_binding",
 ]
 
@@ -252,7 +254,7 @@ def thread_ids() -> frozenset[int]:
         return frozenset()
 
 
-def _set_affinity(cpus: Iterable[int], threads: Optional[Iterable[int]] = None) -> Optional[str]:
+def set_affinity(cpus: Iterable[int], threads: Optional[Iterable[int]] = None) -> Optional[str]:
     """Set the affinity of the calling thread and of ``threads`` (default: every thread of
     this process); return an error text or None."""
     mask = set(cpus)
@@ -323,8 +325,8 @@ def apply_plan(
     environ = os.environ if environ is None else environ
     for warning in plan.warnings:
         _warn_once(str(warning))
-    prev_aff = frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-    err = _set_affinity(plan.cpus, threads) if plan.cpus else "empty plan"
+    prev_aff = frozenset(here.allowed_cpus()) or None
+    err = set_affinity(plan.cpus, threads) if plan.cpus else "empty plan"
     if err:
         _warn_once(f"could not pin local rank {plan.local_rank} to CPUs {format_cpulist(plan.cpus)} ({err}); only the thread count is set")
     prev_threads = _torch_threads(plan.num_threads)
@@ -354,7 +356,7 @@ def restore(state: PinState) -> None:
         return
     state.restored = True
     if state.affinity_applied and state.prev_affinity is not None:
-        err = _set_affinity(state.prev_affinity)
+        err = set_affinity(state.prev_affinity)
         if err:
             log.warning("cpuddp: could not restore the affinity to CPUs %s: %s", format_cpulist(state.prev_affinity), err)
     if state.prev_threads is not None:
@@ -376,10 +378,9 @@ def thread_affinity(cpus: Optional[Iterable[int]]) -> Iterator[None]:
     forms the process group in such a block, so the backend's communication threads may run
     on every CPU the process was given while compute stays on the rank's own cores.  None, or
     a platform without affinity, runs the block unchanged."""
-    before = None
-    if cpus is not None and hasattr(os, "sched_getaffinity"):
+    before = None if cpus is None else frozenset(here.allowed_cpus()) or None
+    if before is not None:
         with contextlib.suppress(OSError, ValueError):
-            before = frozenset(os.sched_getaffinity(0))
             os.sched_setaffinity(0, set(cpus))
     try:
         yield

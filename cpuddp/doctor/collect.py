@@ -82,7 +82,7 @@ def _backends(env: Any, probe_torch: bool) -> dict[str, Any]:
             items.append(_plain(backends.backend_status(name)))
     out: dict[str, Any] = {"available": True, "backends": items, "torch_probed": not light}
     if env is not None:
-        from cpuddp.launchers.hosts import allowed_cpus
+        from cpuddp.topology.here import allowed_cpus
 
         try:
             out["auto"] = _plain(backends.resolve_backend("auto", env, node_cpus=len(allowed_cpus()) or None,

@@ -5,7 +5,7 @@ every launcher's variables (:mod:`.readers`, :mod:`.parsers`) and :func:`detect`
 (:mod:`.registry`, with the registry of readers), what init exports for the code after it (:mod:`.exports`), the hosts of the
 job (:mod:`.hosts`), the network interface (:mod:`.netif`), the rendezvous store
 (:mod:`.rendezvous`) and the checking of what is read from it (:mod:`.store_values`).
-May import: :mod:`cpuddp.errors`, :mod:`cpuddp._package`.
+May import: :mod:`cpuddp.errors`, :mod:`cpuddp._package`, :mod:`cpuddp.topology.here`.
 
 This package is public: the names below are importable from ``cpuddp.launchers``, each loaded from
 its module on first use (importing one module of the area never imports the rest).

@@ -5,14 +5,17 @@ its launcher said about its place on the node) through the rendezvous store and 
 everyone's: :func:`exchange` and :func:`gather_hosts`.  No collective, no pickle, no numpy:
 plain JSON text under a key per rank.  :func:`layout` (pure) turns the records into this
 rank's place on its node -- local rank, local size, node rank -- and the allowed CPU sets of
-the ranks it shares the node with, which the pinning plan needs.
+the ranks it shares the node with, which the pinning plan needs.  A shm group's ranks publish
+the same record, with their pid and PID namespace, checked by the same :func:`parse_record`
+and placed by the same :func:`layout` (:mod:`cpuddp.backends.shm.node`).
 
 A rank that fails between two exchanges publishes its error in place of its value
 (:func:`publish_error`), so the others raise at once naming it instead of waiting out the
 timeout.
 
-:func:`host_identity` is what tells hosts apart: hostname, boot id and network namespace, so
-two network namespaces on one machine count as two hosts, as they do for gloo.
+:func:`~cpuddp.topology.here.host_identity` is what tells hosts apart: hostname, boot id and
+network namespace, so two network namespaces on one machine count as two hosts, as they do for
+gloo.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ import datetime
 import json
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from cpuddp.errors import RendezvousError
+from cpuddp.topology.here import allowed_cpus, host_identity, machine_of, pid_alive, pid_namespace  # noqa: F401 (re-exported)
 
 from . import store_values
 from .env import DistEnv, Provenance, Source
@@ -34,9 +37,6 @@ from .env import DistEnv, Provenance, Source
 log = logging.getLogger("cpuddp")
 
 __all__ = [
-    "host_identity",
-    "machine_of",
-    "pid_alive",
     "HostRecord",
     "Layout",
     "exchange",
@@ -52,77 +52,41 @@ __all__ = [
 _ERROR = "!"
 
 
-def host_identity(namespaces: tuple[str, ...] = ("net",)) -> str:
-    """What distinguishes hosts: hostname, boot id and the given Linux namespaces (the
-    network namespace by default; the watchdog adds "pid": two processes with the same
-    identity then see each other's PIDs)."""
-    parts = [socket.gethostname(), ""]  # a field each, empty when unreadable: machine_of reads field 2
-    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
-        parts[1] = f.read().strip()
-    for ns in namespaces:
-        ino = ""
-        with contextlib.suppress(OSError):
-            ino = str(os.stat(f"/proc/self/ns/{ns}").st_ino)
-        parts.append(ino)
-    return "|".join(parts)
-
-
-def machine_of(identity: str) -> str:
-    """The machine part of a :func:`host_identity` (pure): its boot id -- one per running
-    kernel, shared by every container on it, whatever their hostname -- else its hostname."""
-    fields = identity.split("|")
-    return f"boot:{fields[1]}" if len(fields) > 1 and fields[1] else f"host:{fields[0]}"
-
-
-def pid_alive(pid: int) -> bool:
-    """Is ``pid`` a live, non-zombie process?  Meaningful only for a process with this one's
-    ``host_identity(("net", "pid"))`` (same host and PID namespace)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return True
-
-
-def allowed_cpus() -> tuple[int, ...]:
-    """The CPUs this process may run on now (empty where the platform cannot say)."""
-    try:
-        return tuple(sorted(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return ()
-
-
 @dataclass(frozen=True)
 class HostRecord:
-    """One rank's facts, as published at init.  ``local_rank``/``local_size``: what the
-    launcher said (None when it said nothing and cpuddp had to guess)."""
+    """One rank's facts, as published at init and by a shm group.  ``local_rank``/``local_size``:
+    what the launcher said (None when it said nothing and cpuddp had to guess).  ``pid``/``pid_ns``:
+    the rank's process and its PID namespace, which a shm group's records carry (None at init,
+    and then absent from the JSON)."""
 
     rank: int
     host: str
     cpus: tuple[int, ...]
     local_rank: Optional[int] = None
     local_size: Optional[int] = None
+    pid: Optional[int] = None
+    pid_ns: Optional[str] = None
 
     @classmethod
-    def here(cls, rank: int, local_rank: Optional[int], local_size: Optional[int]) -> "HostRecord":
-        return cls(rank, host_identity(), allowed_cpus(), local_rank, local_size)
+    def here(cls, rank: int, local_rank: Optional[int], local_size: Optional[int], *,
+             process: bool = False) -> "HostRecord":
+        """This process's record; ``process``: with its pid and PID namespace."""
+        pid, pid_ns = (os.getpid(), pid_namespace()) if process else (None, None)
+        return cls(rank, host_identity(), allowed_cpus(), local_rank, local_size, pid, pid_ns)
 
     def to_json(self) -> str:
-        return json.dumps({"rank": self.rank, "host": self.host, "cpus": list(self.cpus),
-                           "local_rank": self.local_rank, "local_size": self.local_size})
+        d: dict[str, Any] = {"rank": self.rank, "host": self.host, "cpus": list(self.cpus),
+                             "local_rank": self.local_rank, "local_size": self.local_size}
+        if self.pid is not None or self.pid_ns is not None:
+            d.update(pid=self.pid, pid_ns=self.pid_ns)
+        return json.dumps(d)
 
     @classmethod
     def from_json(cls, text: str) -> "HostRecord":
         """Read back :meth:`to_json`'s text (trusted: use :func:`parse_record` for a store's)."""
         d = json.loads(text)
         return cls(int(d["rank"]), str(d["host"]), tuple(int(c) for c in d["cpus"]),
-                   d.get("local_rank"), d.get("local_size"))
+                   d.get("local_rank"), d.get("local_size"), d.get("pid"), d.get("pid_ns"))
 
     @property
     def hostname(self) -> str:
@@ -149,35 +113,55 @@ class Layout:
 
 _RECORD = "a host record (JSON: rank, host, cpus, local_rank, local_size)"
 _FIELDS = ("rank", "host", "cpus", "local_rank", "local_size")
+_PROCESS_RECORD = "a host record (JSON: rank, host, cpus, local_rank, local_size, pid, pid_ns)"
+_PROCESS_FIELDS = ("pid", "pid_ns")
 
 
-def _optional_int(key: str, name: str, value: Any, lo: int, hi: int, raw: Any) -> Optional[int]:
-    return None if value is None else store_values.int_field(key, name, value, lo, hi, expected=_RECORD, text=False,
+def _optional_int(key: str, name: str, value: Any, lo: int, hi: int, raw: Any, want: str) -> Optional[int]:
+    return None if value is None else store_values.int_field(key, name, value, lo, hi, expected=want, text=False,
                                                              whole=raw)
 
 
-def parse_record(key: str, raw: Any, rank: int, world_size: int) -> HostRecord:
+def _text(key: str, name: str, value: Any, raw: Any, want: str) -> str:
+    """A text field: printable, 1..MAX_HOST characters (a host identity, a PID namespace)."""
+    sv = store_values
+    if not isinstance(value, str) or not value or len(value) > sv.MAX_HOST or not value.isprintable():
+        raise sv.bad_value(key, f"its {name} {sv.shown(value, 40)} is not printable text of 1..{sv.MAX_HOST} "
+                           "characters", raw, expected=want)
+    return value
+
+
+def _cpus(key: str, cpus: Any, raw: Any, want: str) -> tuple[int, ...]:
+    """Distinct CPU numbers in 0..MAX_CPU-1, at most MAX_CPU of them."""
+    sv = store_values
+    if not isinstance(cpus, list) or len(cpus) > sv.MAX_CPU:
+        raise sv.bad_value(key, f"its cpus are not a list of at most {sv.MAX_CPU} CPU numbers", raw, expected=want)
+    numbers = tuple(sv.int_field(key, "CPU number", c, 0, sv.MAX_CPU, expected=want, text=False, whole=raw) for c in cpus)
+    if len(set(numbers)) != len(numbers):
+        raise sv.bad_value(key, "its cpus repeat a CPU", raw, expected=want)
+    return numbers
+
+
+def parse_record(key: str, raw: Any, rank: int, world_size: int, *, process: bool = False) -> HostRecord:
     """Rank ``rank``'s :class:`HostRecord` as read from the store under ``key`` (pure), every
     field checked: its own rank, a host identity of sane length, distinct CPU numbers in
-    ``0..MAX_CPU-1``, a launcher's local rank/size within the world.  Raises
-    :class:`RendezvousError` naming ``key`` and what was wrong."""
+    ``0..MAX_CPU-1``, a launcher's local rank/size within the world.  ``process``: the record
+    also names its process, as a shm group's records do: a ``pid`` in ``1..MAX_PID-1`` and a
+    ``pid_ns`` checked as the host is.  Raises :class:`RendezvousError` naming ``key`` and
+    what was wrong."""
     sv = store_values
-    d = sv.json_object(key, raw, _FIELDS, expected=_RECORD)
-    if sv.int_field(key, "rank", d["rank"], 0, world_size, expected=_RECORD, text=False, whole=raw) != rank:
-        raise sv.bad_value(key, f"its rank {d['rank']} is not {rank}, the rank of its key", raw, expected=_RECORD)
-    host = d["host"]
-    if not isinstance(host, str) or not host or len(host) > sv.MAX_HOST or not host.isprintable():
-        raise sv.bad_value(key, f"its host {sv.shown(host, 40)} is not printable text of 1..{sv.MAX_HOST} "
-                           "characters", raw, expected=_RECORD)
-    cpus = d["cpus"]
-    if not isinstance(cpus, list) or len(cpus) > sv.MAX_CPU:
-        raise sv.bad_value(key, f"its cpus are not a list of at most {sv.MAX_CPU} CPU numbers", raw, expected=_RECORD)
-    cpu_numbers = tuple(sv.int_field(key, "CPU number", c, 0, sv.MAX_CPU, expected=_RECORD, text=False, whole=raw) for c in cpus)
-    if len(set(cpu_numbers)) != len(cpu_numbers):
-        raise sv.bad_value(key, "its cpus repeat a CPU", raw, expected=_RECORD)
-    local_size = _optional_int(key, "local_size", d["local_size"], 1, world_size + 1, raw)
-    local_rank = _optional_int(key, "local_rank", d["local_rank"], 0, local_size or world_size, raw)
-    return HostRecord(rank, host, cpu_numbers, local_rank, local_size)
+    want = _PROCESS_RECORD if process else _RECORD
+    d = sv.json_object(key, raw, _FIELDS + _PROCESS_FIELDS if process else _FIELDS, expected=want)
+    if sv.int_field(key, "rank", d["rank"], 0, world_size, expected=want, text=False, whole=raw) != rank:
+        raise sv.bad_value(key, f"its rank {d['rank']} is not {rank}, the rank of its key", raw, expected=want)
+    host = _text(key, "host", d["host"], raw, want)
+    cpus = _cpus(key, d["cpus"], raw, want)
+    local_size = _optional_int(key, "local_size", d["local_size"], 1, world_size + 1, raw, want)
+    local_rank = _optional_int(key, "local_rank", d["local_rank"], 0, local_size or world_size, raw, want)
+    if not process:
+        return HostRecord(rank, host, cpus, local_rank, local_size)
+    pid = sv.int_field(key, "pid", d["pid"], 1, sv.MAX_PID, expected=want, text=False, whole=raw)
+    return HostRecord(rank, host, cpus, local_rank, local_size, pid, _text(key, "pid_ns", d["pid_ns"], raw, want))
 
 
 def check_records(records: Sequence[HostRecord], world_size: int) -> None:

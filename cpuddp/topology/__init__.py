@@ -1,7 +1,9 @@
 """topology: what CPUs this process may use (logical CPUs, cores, sockets, NUMA nodes, cgroup
 limits, instruction-set features).
 
-Owns: the model, pure (:mod:`.model`), and the one reader of the machine (:mod:`.read`).
+Owns: the model, pure (:mod:`.model`), the one reader of the machine (:mod:`.read`), and
+this process's facts on this node -- allowed CPUs, host identity, PID namespace, whether a
+pid is alive -- (:mod:`.here`, which every other area reads them from).
 May import: :mod:`cpuddp._package` only (for the lazy names below).  Everything that pins or
 sizes threads reads it.
 

@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Optional
 
+from . import here
 from .model import LogicalCpu, PathLike, Topology, parse_cpulist
 
 __all__ = ["read_topology"]
@@ -186,17 +187,6 @@ def _flags_from_py_cpuinfo() -> frozenset[str]:
         return frozenset()
 
 
-def _allowed(online: frozenset[int]) -> frozenset[int]:
-    if hasattr(os, "sched_getaffinity"):
-        return frozenset(os.sched_getaffinity(0))
-    try:
-        import psutil
-
-        return frozenset(psutil.Process().cpu_affinity())
-    except Exception:
-        return online
-
-
 def read_topology(root: PathLike = "/", *, allowed: Optional[Iterable[int]] = None) -> Topology:
     """Read this machine's :class:`Topology` (the only impure function of the topology modules).
 
@@ -223,7 +213,7 @@ def read_topology(root: PathLike = "/", *, allowed: Optional[Iterable[int]] = No
     topo = Topology(
         cpus=cpus,
         online=online,
-        allowed=frozenset(allowed) if allowed is not None else _allowed(online),
+        allowed=frozenset(allowed) if allowed is not None else frozenset(here.allowed_cpus(ask_psutil=True)) or online,
         cgroup_cpus=cpuset,
         quota=quota,
         flags=flags,

@@ -259,7 +259,7 @@ class _WorkerLimits:
 
     def __call__(self, worker_id: int) -> None:
         if self.cpus:
-            affinity._set_affinity(self.cpus)  # a refusal (sandbox) leaves the inherited mask
+            affinity.set_affinity(self.cpus)  # a refusal (sandbox) leaves the inherited mask
         os.environ["OMP_NUM_THREADS"] = str(self.threads)
         torch.set_num_threads(self.threads)
         if importlib.util.find_spec("threadpoolctl") is not None:

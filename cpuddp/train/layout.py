@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from cpuddp.affinity.job import RankPlace, rank_cpus_line
 from cpuddp.ranks import get_rank, get_world_size
+from cpuddp.topology import here
 
 __all__ = ["local_place", "gather_places", "known_places", "places_line"]
 
@@ -34,10 +35,7 @@ def _threads() -> int:
 
 
 def _cpus() -> tuple[int, ...]:
-    try:
-        return tuple(sorted(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return tuple(range(os.cpu_count() or 1))
+    return here.allowed_cpus() or tuple(range(os.cpu_count() or 1))
 
 
 def local_place(rank: Optional[int] = None) -> RankPlace:

@@ -2,5 +2,6 @@
 
 Owns: the per-rank monitor thread and its hooks (:mod:`.monitor`), the store protocol it
 speaks with its peers (:mod:`.store`), and its decisions, pure (:mod:`.verdict`).
-May import: :mod:`cpuddp.errors`, :mod:`cpuddp.launchers`, :mod:`cpuddp.backends` (its lifecycle hooks).
+May import: :mod:`cpuddp.errors`, :mod:`cpuddp.topology.here`, :mod:`cpuddp.launchers`, :mod:`cpuddp.backends` (its
+lifecycle hooks).
 """

@@ -61,7 +61,7 @@ import time
 from typing import Any, Callable, Optional
 
 from cpuddp.errors import RendezvousError, first_line
-from cpuddp.launchers.hosts import host_identity, pid_alive
+from cpuddp.topology.here import host_identity, pid_alive
 
 from .store import StoreClient
 from .verdict import (

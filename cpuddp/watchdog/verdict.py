@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from cpuddp.errors import first_line
-from cpuddp.launchers.hosts import machine_of
+from cpuddp.topology.here import machine_of
 
 __all__ = [
     "PeerInfo", "Snapshot", "Verdict", "VerdictKind", "HeartbeatClock",

@@ -15,7 +15,7 @@ and writes its addresses to ``DIR/fake.json`` and its results to ``DIR/user.json
 
 ``python shm_intruder.py store HOST PORT SECONDS DIR [forge-who|keep-who]`` -- writes into the job's rendezvous store
 as fast as it can: false segment offers, gloo address keys pointing at the relay (under every
-name a gloo group of the job would use), and with ``forge-who`` rank 1's host line claiming
+name a gloo group of the job would use), and with ``forge-who`` rank 1's host record claiming
 another host (so the ranks would believe they share no node and talk over gloo); it records the job's real offer in
 ``DIR/real.txt``.  The store has no authentication, so which uid runs this role changes nothing
 (docs/security.md); it runs in the test's environment because it needs torch's TCPStore client.
@@ -167,7 +167,8 @@ def store_role(host: str, port: int, seconds: float, where: str, forge_who: bool
     with open(fake_file) as f:
         fake = json.load(f)
     relay = f"127.0.0.1:{fake['relay_port']}".encode()
-    elsewhere = "attacker-host|boot|ns\t4242\t1\t0"
+    elsewhere = json.dumps({"rank": 1, "host": "attacker-host|boot|ns", "cpus": [0], "local_rank": None,
+                            "local_size": None, "pid": 4242, "pid_ns": "1"})
     writes, real, i = 0, None, 0
     while time.monotonic() < deadline:
         try:

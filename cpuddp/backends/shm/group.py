@@ -123,8 +123,8 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
     def _setup(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> str:
         """Find the node's ranks through ``store``, map the node's segment; the mode's reason."""
         store = dist.PrefixStore(f"shm/{store.add(f'shm/joins/{rank}', 1)}", store)
-        store.set(f"who/{rank}", whoami())
-        plan = plan_node([parse_who(store.get(f"who/{r}"), f"who/{r}") for r in range(size)], rank)
+        store.set(f"who/{rank}", whoami(rank))
+        plan = plan_node([parse_who(store.get(f"who/{r}"), f"who/{r}", r, size) for r in range(size)], rank)
         check_local_size(plan, self._options.local_size, rank)
         self._plan = plan
         if plan.whole_gloo is not None:

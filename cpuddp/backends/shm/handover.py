@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from cpuddp.errors import BackendError
-from cpuddp.launchers.hosts import pid_alive
+from cpuddp.topology.here import pid_alive
 
 from . import check as shm_check
 from .node import NodePlan

@@ -1,9 +1,12 @@
-"""Which ranks of a shm group share a node: each rank's line, its check, and the node plan.
+"""Which ranks of a shm group share a node: each rank's record, its check, and the node plan.
 
-Each rank publishes one line through the group's store (:func:`whoami`: host identity, pid,
-PID namespace, allowed CPUs); :func:`parse_who` checks each line it reads (a malformed one is an
-error naming its key), and :func:`plan_node` (pure) turns every rank's line into this rank's
-:class:`NodePlan`.  Nothing here is trusted for safety: a plan that puts a rank on this node is
+Each rank publishes its :class:`~cpuddp.launchers.hosts.HostRecord` through the group's store
+(:func:`whoami`: host identity, allowed CPUs, pid, PID namespace), the JSON record the ranks
+exchange at init; :func:`parse_who` checks each record it reads with the same
+:func:`~cpuddp.launchers.hosts.parse_record` (a malformed one is an error naming its key), and
+:func:`plan_node` (pure) places this rank with the same :func:`~cpuddp.launchers.hosts.layout`
+and adds what only the shm group needs: the peers' pids, whether to spin, whether the whole group
+runs on gloo.  Nothing here is trusted for safety: a plan that puts a rank on this node is
 proved by the hand-over (:mod:`cpuddp.backends.shm.handover` checks the peer's credentials),
 and a plan with fewer local ranks than the launcher said is refused
 (:func:`check_local_size`).
@@ -11,49 +14,43 @@ and a plan with fewer local ranks than the launcher said is refused
 
 from __future__ import annotations
 
-import os
+import contextlib
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterator, Optional, Sequence, Tuple
 
-from cpuddp.errors import BackendError
-from cpuddp.launchers.hosts import allowed_cpus, host_identity
+from cpuddp.errors import BackendError, RendezvousError
+from cpuddp.launchers.hosts import HostRecord, layout, parse_record
+from cpuddp.topology.here import pid_namespace  # noqa: F401 (re-exported)
 
-__all__ = ["NodePlan", "whoami", "parse_who", "plan_node", "pid_namespace", "check_local_size"]
+__all__ = ["NodePlan", "whoami", "parse_who", "plan_node", "check_local_size"]
 
 _STORE_FIX = "give the job a store only it uses (its own MASTER_PORT), and see docs/security.md"
 
 
-def pid_namespace() -> str:
+@contextlib.contextmanager
+def _as_backend_error() -> Iterator[None]:
+    """A malformed record is the shm set-up's error: a :class:`BackendError` with the same text."""
     try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "?"
+        yield
+    except RendezvousError as exc:
+        raise BackendError(exc.msg, fix=exc.fix) from None
 
 
-def whoami() -> str:
-    """This rank's line: host identity, pid, PID namespace, allowed CPUs (tab-separated)."""
-    cpus = ",".join(str(c) for c in allowed_cpus())
-    return f"{host_identity()}\t{os.getpid()}\t{pid_namespace()}\t{cpus}"
+def whoami(rank: int) -> str:
+    """Group rank ``rank``'s record as JSON: host identity, allowed CPUs, pid, PID namespace."""
+    return HostRecord.here(rank, None, None, process=True).to_json()
 
 
-def parse_who(raw: bytes, key: str) -> List[str]:
-    """One rank's :func:`whoami` line, checked: 4 tab-separated fields, a positive pid, CPU numbers."""
-    try:
-        text: Optional[str] = raw.decode()
-    except UnicodeDecodeError:
-        text = None
-    fields = text.split("\t") if text is not None else []
-    ok = len(fields) == 4 and bool(fields[0]) and fields[1].isdigit() and int(fields[1]) > 0 and bool(fields[2])
-    ok = ok and all(c.isdigit() for c in fields[3].split(",") if fields[3])
-    if not ok:
-        raise BackendError(f"store key {key} holds {raw[:80]!r}, not a rank's 'host<TAB>pid<TAB>pid-namespace"
-                           "<TAB>cpus' line: something else writes to this job's rendezvous store", fix=_STORE_FIX)
-    return fields
+def parse_who(raw: bytes, key: str, rank: int, size: int) -> HostRecord:
+    """Group rank ``rank``'s :func:`whoami` record, read under ``key`` in a group of ``size``,
+    every field checked (:func:`~cpuddp.launchers.hosts.parse_record`)."""
+    with _as_backend_error():
+        return parse_record(key, raw, rank, size, process=True)
 
 
 @dataclass(frozen=True)
 class NodePlan:
-    """This rank's place among the ranks of its group, from every rank's :func:`whoami` line.
+    """This rank's place among the ranks of its group, from every rank's :func:`whoami` record.
 
     ``grid[node][local_rank]`` is a group rank; ``local`` is this node's row."""
 
@@ -74,25 +71,27 @@ class NodePlan:
         return len(self.grid)
 
 
-def plan_node(who: Sequence[Sequence[str]], rank: int) -> NodePlan:
-    """Pure: ``who[r]`` is group rank r's :func:`whoami` line split at tabs."""
-    hosts = list(dict.fromkeys(w[0] for w in who))
-    grid = tuple(tuple(r for r in range(len(who)) if who[r][0] == h) for h in hosts)
-    node = hosts.index(who[rank][0])
-    local = grid[node]
-    cpus = set().union(*(who[r][3].split(",") for r in local)) - {""}
+def plan_node(who: Sequence[HostRecord], rank: int) -> NodePlan:
+    """Pure: ``who`` holds every group rank's record (:func:`parse_who`), one per rank."""
+    with _as_backend_error():
+        lay = layout(who, rank)
+    by_rank = {w.rank: w for w in who}
+    local = lay.nodes[lay.node_rank]
+    cpus = frozenset().union(*lay.local_cpus)
     whole_gloo = None
     if len(local) == 1 and len(who) > 1:
         whole_gloo = "gloo for every collective: one rank per node"
-    elif len({len(row) for row in grid}) != 1:
+    elif len({len(row) for row in lay.nodes}) != 1:
         whole_gloo = ("gloo for every collective: nodes run different numbers of ranks "
-                      f"({', '.join(str(len(row)) for row in grid)})")
+                      f"({', '.join(str(len(row)) for row in lay.nodes)})")
+    me = by_rank[rank]
     return NodePlan(
         local=local,
-        local_rank=local.index(rank),
-        node=node,
-        grid=grid,
-        peer_pids={r: int(who[r][1]) for r in local if r != rank and who[r][2] == who[rank][2]},
+        local_rank=lay.local_rank,
+        node=lay.node_rank,
+        grid=lay.nodes,
+        peer_pids={r: by_rank[r].pid for r in local
+                   if r != rank and by_rank[r].pid is not None and by_rank[r].pid_ns == me.pid_ns},
         spin=bool(cpus) and len(cpus) >= len(local),
         whole_gloo=whole_gloo,
     )

@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from cpuddp.launchers.hosts import pid_alive
+from cpuddp.topology.here import pid_alive
 
 from .segment import C_STATE, STATE_LEFT, W_ABORT, Segment
 
