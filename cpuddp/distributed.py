@@ -78,6 +78,7 @@ from cpuddp.launchers.exports import configure_logging as _configure_logging
 from cpuddp.launchers.exports import timeout_from as _timeout
 from cpuddp.launchers.registry import detect
 from cpuddp.launchers.rendezvous import local_address, mpi_master_addr, open_store
+from cpuddp.topology import here
 
 from . import ddp_check
 from ._compat import TESTED_TORCH, check_torch_version, older_than_tested
@@ -292,7 +293,7 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
     from cpuddp.backends.registry import load_backend
 
     before = affinity.thread_ids()  # the compute threads (this one, OpenMP's) and the user's
-    wide = hosts.allowed_cpus() or None  # where communication threads may run
+    wide = here.allowed_cpus() or None  # where communication threads may run
     store = _meet(env, td, environ, undo)
     step = f"cpuddp/init{undo.generation}"
     said_local = hosts.launcher_local_size(env)  # before the hosts gathered replace it
@@ -333,7 +334,7 @@ def _node_cpus(local_cpus: Optional[tuple[frozenset[int], ...]]) -> Optional[int
     """How many CPUs the ranks of this node may use between them (None: unknown)."""
     if local_cpus:
         return len(frozenset().union(*local_cpus))
-    return len(hosts.allowed_cpus()) or None
+    return len(here.allowed_cpus()) or None
 
 
 def _plan(env: DistEnv, choice: "BackendChoice", pin: bool, environ: Mapping[str, str],
