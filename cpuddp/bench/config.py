@@ -58,7 +58,7 @@ class BenchConfig:
 
     @classmethod
     def from_args(cls, ns: Any) -> BenchConfig:
-        """The config of parsed options ``ns`` (an ``argparse.Namespace`` of :func:`.cli.add_arguments`).
+        """The config of the options :func:`.cli.add_arguments` parsed into ``ns``.
 
         A ``backend`` given as text is parsed by :func:`parse_backends` (which raises ValueError).
         """
