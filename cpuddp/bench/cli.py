@@ -56,7 +56,9 @@ Environment read: the launcher's variables (see :mod:`cpuddp.launchers`);
 ``CPUDDP_BENCH_CHILD`` marks a rank started by ``--nproc`` (internal).
 
 This module is the command line: its options, their checks, and where the run goes (this rank,
-or ``--nproc`` local ranks).  It imports nothing heavy.  The other modules of :mod:`cpuddp.bench`
+or ``--nproc`` local ranks).  It turns the parsed options into a
+:class:`~cpuddp.bench.config.BenchConfig` once; the rest of the run takes that config.  It
+imports nothing heavy.  The other modules of :mod:`cpuddp.bench`
 are listed in its docstring.
 """
 
@@ -69,20 +71,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 from cpuddp._units import parse_size
 
+from .config import BenchConfig, parse_backends
 from .sweep import ALIASES, COLLECTIVES, DTYPES, EXIT_ERROR, EXIT_USAGE, sweep_sizes
 
 __all__ = ["add_arguments", "parse_backends", "run", "main"]
-
-
-def parse_backends(text: str) -> list[str]:
-    """``"gloo, shm"`` -> ``["gloo", "shm"]`` (lowercase, in order; no repeats)."""
-    names = [b.strip().lower() for b in str(text).split(",")]
-    if not names or any(not b for b in names):
-        raise ValueError(f"--backend {text!r} must name one backend or several separated by commas, e.g. gloo,shm")
-    repeated = sorted({b for b in names if names.count(b) > 1})
-    if repeated:
-        raise ValueError(f"--backend {text!r} names {', '.join(repeated)} more than once")
-    return names
 
 
 def _size_arg(text: str) -> int:
@@ -116,7 +108,7 @@ def _backends_arg(text: str) -> list[str]:
 
 
 class _Removed(argparse.Action):
-    """An option that no longer exists: a usage error that says why and what to do instead."""
+    """A retired option: giving it is a usage error that says why and what to do instead."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, why: str = "", **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, help=argparse.SUPPRESS, **kwargs)
@@ -169,20 +161,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-bare", action=_Removed, why=_COMPARE_BARE_GONE)
 
 
-def _validate(args: argparse.Namespace) -> Optional[str]:
-    if args.iters < 1 or args.warmup < 0:
+def _validate(cfg: BenchConfig) -> Optional[str]:
+    if cfg.iters < 1 or cfg.warmup < 0:
         return "--iters must be >= 1 and --warmup >= 0"
-    if args.nproc is not None and args.nproc < 1:
+    if cfg.nproc is not None and cfg.nproc < 1:
         return "--nproc must be >= 1"
-    if args.rounds < 1:
+    if cfg.rounds < 1:
         return "--rounds must be >= 1"
-    if isinstance(args.backend, str):
-        args.backend = parse_backends(args.backend)
     try:
-        sweep_sizes(args.min, args.max, args.factor)
+        sweep_sizes(cfg.min, cfg.max, cfg.factor)
     except ValueError as e:
         return str(e)
-    if args.plot:
+    if cfg.plot:
         import importlib.util
 
         if importlib.util.find_spec("matplotlib") is None:
@@ -204,24 +194,29 @@ def _under_launcher(environ: Mapping[str, str]) -> Optional[str]:
 
 
 def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
-    """Run ``cpuddp bench`` with parsed ``args`` (``argv`` is what the ranks re-run under --nproc)."""
+    """Run ``cpuddp bench`` with parsed ``args`` (``argv`` is what the ranks re-run under --nproc).
+
+    ``args`` becomes a :class:`~cpuddp.bench.config.BenchConfig` here, once; everything below
+    takes that config.
+    """
     from .launch import CHILD_MARK, spawn
 
-    problem = _validate(args)
+    cfg = BenchConfig.from_args(args)
+    problem = _validate(cfg)
     if problem:
         sys.stderr.write(f"cpuddp bench: error: {problem}\n")
         return EXIT_USAGE
-    if args.nproc is not None and not os.environ.get(CHILD_MARK):
+    if cfg.nproc is not None and not os.environ.get(CHILD_MARK):
         launched = _under_launcher(os.environ)
         if launched:
             sys.stderr.write(f"cpuddp bench: error: --nproc starts its own ranks, but {launched}.\n"
                              "Fix: drop --nproc under a launcher, or run without the launcher.\n")
             return EXIT_USAGE
-        return spawn(args.nproc, list(argv), timeout=args.timeout)
+        return spawn(cfg.nproc, list(argv), timeout=cfg.timeout)
     try:
         from .rank import run_rank
 
-        return run_rank(args)
+        return run_rank(cfg)
     except KeyboardInterrupt:
         raise
     except Exception as e:

@@ -8,7 +8,6 @@ divides by ``--iters``; the reported time is the maximum over ranks of that mean
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -27,18 +26,20 @@ from .sweep import DTYPES, EXIT_OK, EXIT_WRONG, Row, backend_row, make_row, shap
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from .config import BenchConfig
+
 __all__ = ["run_rank", "exchange_json", "measure_copy_bandwidth", "TEARDOWN_TIMEOUT"]
 
 #: Seconds the teardown waits for torch's destroy_process_group before abandoning it.
 TEARDOWN_TIMEOUT = 10.0
 
 
-def run_rank(args: argparse.Namespace) -> int:
+def run_rank(cfg: BenchConfig) -> int:
     """The benchmark inside one rank (every rank runs this; rank 0 prints)."""
-    env = _init(args.backend[0], args.timeout, args.pin)
+    env = _init(cfg.backends[0], cfg.timeout, cfg.pin)
     finished = False
     try:
-        code = _run_rank(args, env)
+        code = _run_rank(cfg, env)
         finished = True
         return code
     finally:
@@ -58,23 +59,21 @@ def _init(backend: str, timeout: float, pin: bool) -> Any:
     return env
 
 
-def _run_rank(args: argparse.Namespace, env: Any) -> int:
+def _run_rank(cfg: BenchConfig, env: Any) -> int:
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    # torch has only in-place forms of all_reduce and broadcast.
-    args.inplace = bool(args.inplace or args.collective in ("allreduce", "broadcast", "reduce"))
-    meta = _meta(args, env, n)
+    meta = _meta(cfg, env, n)
     if rank == 0:
         for line in report.header_lines(meta):
             out(line)
-    shaped = shaped_sizes(args.min, args.max, args.factor, args.collective, n, DTYPES[args.dtype][1])
-    if len(args.backend) > 1:
-        return _compare_backends(args, shaped, rank, n, meta)
-    return _sweep(args, shaped, rank, n, meta)
+    shaped = shaped_sizes(cfg.min, cfg.max, cfg.factor, cfg.collective, n, DTYPES[cfg.dtype][1])
+    if len(cfg.backends) > 1:
+        return _compare_backends(cfg, shaped, rank, n, meta)
+    return _sweep(cfg, shaped, rank, n, meta)
 
 
-def _meta(args: argparse.Namespace, env: Any, n: int) -> dict[str, Any]:
+def _meta(cfg: BenchConfig, env: Any, n: int) -> dict[str, Any]:
     """The run's metadata (every rank takes part: it exchanges the ranks' details, times the ceiling)."""
     import torch.distributed as dist
 
@@ -83,55 +82,55 @@ def _meta(args: argparse.Namespace, env: Any, n: int) -> dict[str, Any]:
     infos = exchange_json(_rank_info())
     plan = getattr(env, "pin_plan", None) if env is not None else None
     ceiling = None
-    if args.ceiling:
+    if cfg.ceiling:
         if dist.get_rank() == 0:
-            ceiling = measure_copy_bandwidth(args.ceiling_size)
+            ceiling = measure_copy_bandwidth(cfg.ceiling_size)
         dist.barrier()
     backend = str(dist.get_backend())
     chosen = getattr(env, "backend", None) if env is not None else None
     return {
-        "collective": args.collective, "nranks": n,
+        "collective": cfg.collective, "nranks": n,
         "nodes": len({i["host_id"] for i in infos}),  # hostname, boot and network namespace
         "launcher": getattr(env, "launcher", None) or ("env" if n > 1 else "none"),
         "backend": backend if not chosen or chosen == backend else f"{chosen} (process group: {backend})",
         "versions": versions(("torch", "cpuddp", "oneccl_bind_pt", "ipex"), imported_torch=True),
-        "min": args.min, "max": args.max, "factor": args.factor,
-        "warmup": args.warmup, "iters": args.iters, "dtype": args.dtype, "inplace": args.inplace,
-        "check": args.check, "pin": args.pin,
+        "min": cfg.min, "max": cfg.max, "factor": cfg.factor,
+        "warmup": cfg.warmup, "iters": cfg.iters, "dtype": cfg.dtype, "inplace": cfg.inplace,
+        "check": cfg.check, "pin": cfg.pin,
         "pin_plan": report.plan_text(plan), "pin_plan_dict": plan.as_dict() if hasattr(plan, "as_dict") else None,
         "ranks": infos, "ceiling": ceiling, "time": "max over ranks of mean per-iteration time",
         "env": env.as_dict() if hasattr(env, "as_dict") else None,
     }
 
 
-def _sweep(args: argparse.Namespace, shaped: Sequence[tuple[int, int]], rank: int, n: int,
+def _sweep(cfg: BenchConfig, shaped: Sequence[tuple[int, int]], rank: int, n: int,
            meta: dict[str, Any]) -> int:
     """The nccl-tests table: one row per size."""
-    dtype = _torch_dtype(args.dtype)
+    dtype = _torch_dtype(cfg.dtype)
     rows: list[Row] = []
     if rank == 0:
         for line in report.format_rows([]):
             out(line)
     for nbytes, count in shaped:
-        op = _make_op(args.collective, count, dtype, args.inplace, rank, n)
-        seconds = _max_over_ranks(_timed(op.call, args.warmup, args.iters))
-        wrong = _sum_over_ranks(_check(op, dtype)) if args.check else -1
-        row = make_row(args.collective, n, nbytes, count, args.dtype, seconds, wrong, args.inplace)
+        op = _make_op(cfg.collective, count, dtype, cfg.inplace, rank, n)
+        seconds = _max_over_ranks(_timed(op.call, cfg.warmup, cfg.iters))
+        wrong = _sum_over_ranks(_check(op, dtype)) if cfg.check else -1
+        row = make_row(cfg.collective, n, nbytes, count, cfg.dtype, seconds, wrong, cfg.inplace)
         rows.append(row)
         if rank == 0:
             out(report.format_row(row))
         del op
     ceiling = meta.get("ceiling")
-    summary = summarize(rows, args.min_busbw, ceiling["gbps"] if ceiling else None)
+    summary = summarize(rows, cfg.min_busbw, ceiling["gbps"] if ceiling else None)
     if rank == 0:
         for line in report.format_summary(summary):
             out(line)
         result = {"format": "cpuddp-bench/1", "meta": meta, "rows": [asdict(r) for r in rows], "summary": summary}
-        report.write_outputs(args, result, rows)
+        report.write_outputs(cfg, result, rows)
     return int(summary["exit_code"])
 
 
-def _compare_backends(args: argparse.Namespace, shaped: Sequence[tuple[int, int]], rank: int, n: int,
+def _compare_backends(cfg: BenchConfig, shaped: Sequence[tuple[int, int]], rank: int, n: int,
                       meta: dict[str, Any]) -> int:
     """Time each backend of ``--backend a,b,...`` in the same ranks, interleaved, size by size.
 
@@ -143,41 +142,41 @@ def _compare_backends(args: argparse.Namespace, shaped: Sequence[tuple[int, int]
 
     from cpuddp.backends.registry import load_backend
 
-    dtype = _torch_dtype(args.dtype)
-    names = list(args.backend)
+    dtype = _torch_dtype(cfg.dtype)
+    names = list(cfg.backends)
     groups: dict[str, Any] = {names[0]: None}
     for b in names[1:]:
         load_backend(b)
         groups[b] = dist.new_group(backend=b)
     if rank == 0:
-        out(f"# compare backends: {', '.join(names)} in the same {n} ranks; per size {args.rounds} round(s) of "
-            f"{args.iters} timed calls each, interleaved (ABBA), median round; ratio = {names[0]} time / other's")
+        out(f"# compare backends: {', '.join(names)} in the same {n} ranks; per size {cfg.rounds} round(s) of "
+            f"{cfg.iters} timed calls each, interleaved (ABBA), median round; ratio = {names[0]} time / other's")
         for line in report.format_backend_head(names):
             out(line)
     out_rows: list[dict[str, Any]] = []
     wrong_total = 0
     for nbytes, count in shaped:
-        ops = {b: _make_op(args.collective, count, dtype, args.inplace, rank, n, groups[b]) for b in names}
+        ops = {b: _make_op(cfg.collective, count, dtype, cfg.inplace, rank, n, groups[b]) for b in names}
         times: dict[str, list[float]] = {b: [] for b in names}
-        for i in range(args.rounds):
+        for i in range(cfg.rounds):
             for b in (names if i % 2 == 0 else names[::-1]):
-                times[b].append(_max_over_ranks(_timed(ops[b].call, args.warmup, args.iters)))
+                times[b].append(_max_over_ranks(_timed(ops[b].call, cfg.warmup, cfg.iters)))
         rows = {}
         for b in names:
-            wrong = _sum_over_ranks(_check(ops[b], dtype)) if args.check else -1
+            wrong = _sum_over_ranks(_check(ops[b], dtype)) if cfg.check else -1
             wrong_total += max(wrong, 0)
-            rows[b] = make_row(args.collective, n, nbytes, count, args.dtype, statistics.median(times[b]), wrong,
-                               args.inplace)
+            rows[b] = make_row(cfg.collective, n, nbytes, count, cfg.dtype, statistics.median(times[b]), wrong,
+                               cfg.inplace)
         out_rows.append(backend_row(names, rows, times))
         if rank == 0:
             out(report.format_backend_row(out_rows[-1], names))
         del ops
     code = EXIT_WRONG if wrong_total else EXIT_OK
     if rank == 0:
-        for line in report.backend_footer(names, out_rows, meta.get("ceiling"), args.check, wrong_total, code):
+        for line in report.backend_footer(names, out_rows, meta.get("ceiling"), cfg.check, wrong_total, code):
             out(line)
         result = {"format": "cpuddp-bench-backends/1", "meta": dict(meta, backends=names), "rows": out_rows}
-        report.write_backend_outputs(args, result)
+        report.write_backend_outputs(cfg, result)
     return code
 
 

@@ -9,11 +9,14 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from typing import Any, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 from cpuddp._units import format_size
 
 from .sweep import Row
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .config import BenchConfig
 
 __all__ = [
     "out", "header_lines", "format_row", "format_rows", "format_summary", "rows_to_csv", "plan_text",
@@ -188,31 +191,31 @@ def write_json(path: str, result: Mapping[str, Any]) -> None:
         f.write("\n")
 
 
-def write_outputs(args: Any, result: Mapping[str, Any], rows: Sequence[Row]) -> None:
+def write_outputs(cfg: BenchConfig, result: Mapping[str, Any], rows: Sequence[Row]) -> None:
     """The sweep's ``--json``, ``--csv`` and ``--plot``."""
-    if args.json:
-        write_json(args.json, result)
-    if args.csv:
-        with open(args.csv, "w") as f:
+    if cfg.json:
+        write_json(cfg.json, result)
+    if cfg.csv:
+        with open(cfg.csv, "w") as f:
             f.write(rows_to_csv(rows))
-    if args.plot:
-        plot(result, args.plot)
+    if cfg.plot:
+        plot(result, cfg.plot)
 
 
-def write_backend_outputs(args: Any, result: Mapping[str, Any]) -> None:
+def write_backend_outputs(cfg: BenchConfig, result: Mapping[str, Any]) -> None:
     """The backend comparison's ``--json``, ``--csv`` (a ``backend`` column first) and ``--plot``."""
     names, rows = result["meta"]["backends"], result["rows"]
-    if args.json:
-        write_json(args.json, result)
-    if args.csv:
-        with open(args.csv, "w") as f:
+    if cfg.json:
+        write_json(cfg.json, result)
+    if cfg.csv:
+        with open(cfg.csv, "w") as f:
             f.write("backend," + rows_to_csv([]).splitlines()[0] + "\n")
             for b in names:
                 for line in rows_to_csv([Row(**{k: v for k, v in r["backends"][b].items() if k != "rounds_us"})
                                          for r in rows]).splitlines()[1:]:
                     f.write(f"{b},{line}\n")
-    if args.plot:
-        plot_backends(result, args.plot)
+    if cfg.plot:
+        plot_backends(result, cfg.plot)
 
 
 def _size_axis(ax: Any, sizes: list[int], meta: Mapping[str, Any]) -> None:

@@ -25,7 +25,7 @@ N) with each rank's CPUs and threads, and the backend ``"auto"`` would pick for 
 
 Under a launcher with two or more ranks, only global rank 0 prints: one report, its pinning
 table covering every local rank of its node (each computed as that rank's
-``init_distributed()`` computes it).  ``--all-ranks`` has every rank print its own, as before.
+``init_distributed()`` computes it).  ``--all-ranks`` has every rank print its own report.
 
 It is fast (well under two seconds; about 0.1 s of work) because it never imports torch,
 IPEX, the oneCCL bindings, mpi4py or py-cpuinfo: versions come from ``importlib.metadata``,
@@ -44,6 +44,7 @@ The probes are in :mod:`cpuddp.doctor.collect`, the warning rules (pure, each wa
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -67,7 +68,7 @@ from .collect import (
 from .diagnose import diagnose, version_warnings
 from .text import format_text
 
-__all__ = ["collect", "diagnose", "format_text", "add_arguments", "run", "main"]
+__all__ = ["collect", "diagnose", "format_text", "add_arguments", "run", "main", "DoctorConfig"]
 
 EXIT_WARNINGS = 3
 
@@ -180,19 +181,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "(default: rank 0 only, with a table of every local rank)")
 
 
+@dataclasses.dataclass(frozen=True)
+class DoctorConfig:
+    """The options of ``cpuddp doctor`` (:func:`add_arguments`), typed and frozen."""
+
+    json: bool = False
+    strict: bool = False
+    probe_torch: bool = False
+    ranks: Optional[int] = None
+    all_ranks: bool = False
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> DoctorConfig:
+        """The config of the parsed options; ``--ranks`` and ``--all-ranks`` may be absent from ``ns``."""
+        return cls(json=ns.json, strict=ns.strict, probe_torch=ns.probe_torch, ranks=getattr(ns, "ranks", None),
+                   all_ranks=getattr(ns, "all_ranks", False))
+
+
 def run(args: argparse.Namespace) -> int:
-    """Print the report; return the exit code."""
-    if getattr(args, "ranks", None) is not None and args.ranks < 1:
-        sys.stderr.write(f"cpuddp doctor: error: --ranks {args.ranks}: must be at least 1\nFix: --ranks 2, say\n")
+    """Print the report; return the exit code (``args`` becomes a :class:`DoctorConfig` here, once)."""
+    cfg = DoctorConfig.from_args(args)
+    if cfg.ranks is not None and cfg.ranks < 1:
+        sys.stderr.write(f"cpuddp doctor: error: --ranks {cfg.ranks}: must be at least 1\nFix: --ranks 2, say\n")
         return 2
-    if not getattr(args, "all_ranks", False) and _quiet_rank(os.environ):
+    if not cfg.all_ranks and _quiet_rank(os.environ):
         return 0
-    report = collect(probe_torch=args.probe_torch, ranks=getattr(args, "ranks", None))
-    if args.json:
+    report = collect(probe_torch=cfg.probe_torch, ranks=cfg.ranks)
+    if cfg.json:
         sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")
     else:
         sys.stdout.write(format_text(report))
-    return EXIT_WARNINGS if args.strict and report["warnings"] else 0
+    return EXIT_WARNINGS if cfg.strict and report["warnings"] else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -42,7 +42,7 @@ from .launch import MPI_NAMES, Launch, command_text, mpi_command, mpi_family, sr
 from cpuddp.affinity.job import RunPlan, RunPlanError, plan_run, plan_table
 from .settings import DEFAULTS, find_allocator, openmp_runtime, settings_env
 
-__all__ = ["add_arguments", "run", "prepare_job"]
+__all__ = ["add_arguments", "run", "prepare_job", "RunConfig"]
 
 SSH_PORT = 22
 HOST_CHECK_TIMEOUT = 3.0  # seconds for each host's ssh port to answer
@@ -70,34 +70,61 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
 
 
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """The options of ``cpuddp run`` (:func:`add_arguments`), typed and frozen; the defaults are
+    the command line's.  ``script_args`` are the script's own arguments."""
+
+    script: str
+    script_args: tuple[str, ...] = ()
+    ranks_per_node: Optional[int] = None
+    cores_per_rank: Optional[int] = None
+    hosts: Optional[str] = None
+    hostfile: Optional[str] = None
+    launcher: Optional[str] = None
+    no_host_check: bool = False
+    max_restarts: int = 0
+    allocator: str = DEFAULTS["allocator"]
+    omp: str = DEFAULTS["omp"]
+    dry_run: bool = False
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> RunConfig:
+        """The config of the options :func:`add_arguments` parsed."""
+        return cls(script=ns.script, script_args=tuple(ns.args), ranks_per_node=ns.ranks_per_node,
+                   cores_per_rank=ns.cores_per_rank, hosts=ns.hosts, hostfile=ns.hostfile, launcher=ns.launcher,
+                   no_host_check=ns.no_host_check, max_restarts=ns.max_restarts, allocator=ns.allocator, omp=ns.omp,
+                   dry_run=ns.dry_run)
+
+
 # --------------------------------------------------------------------------- gathering
 
 
-def _host_entries(args: argparse.Namespace) -> tuple[list[HostEntry], str]:
+def _host_entries(cfg: RunConfig) -> tuple[list[HostEntry], str]:
     """The host list of ``--hosts`` or ``--hostfile`` (:mod:`cpuddp.run.hosts`), and its source."""
-    if args.hosts and args.hostfile:
-        raise RunPlanError(f"--hosts {args.hosts} and --hostfile {args.hostfile} both given", fix="give one of them")
-    if args.hostfile:
+    if cfg.hosts and cfg.hostfile:
+        raise RunPlanError(f"--hosts {cfg.hosts} and --hostfile {cfg.hostfile} both given", fix="give one of them")
+    if cfg.hostfile:
         try:
-            with open(args.hostfile, encoding="utf-8") as fh:
+            with open(cfg.hostfile, encoding="utf-8") as fh:
                 text = fh.read()
         except OSError as exc:
-            raise RunPlanError(f"--hostfile {args.hostfile}: {exc.strerror}", fix="the path of a readable hostfile") from None
-        return parse_hostfile(text, f"--hostfile {args.hostfile}"), f"--hostfile {args.hostfile}"
-    if args.hosts:
-        return parse_hosts_option(args.hosts), f"--hosts {args.hosts}"
+            raise RunPlanError(f"--hostfile {cfg.hostfile}: {exc.strerror}", fix="the path of a readable hostfile") from None
+        return parse_hostfile(text, f"--hostfile {cfg.hostfile}"), f"--hostfile {cfg.hostfile}"
+    if cfg.hosts:
+        return parse_hosts_option(cfg.hosts), f"--hosts {cfg.hosts}"
     return [], ""
 
 
-def _hosts(args: argparse.Namespace) -> tuple[list[str], Optional[int], str]:
+def _hosts(cfg: RunConfig) -> tuple[list[str], Optional[int], str]:
     """The host names, the ranks per node (``--ranks-per-node``, or the list's slot counts) and
     what set them."""
-    entries, source = _host_entries(args)
-    ranks = ranks_from_slots(entries, args.ranks_per_node, source)
-    if ranks is None or args.ranks_per_node is not None:
+    entries, source = _host_entries(cfg)
+    ranks = ranks_from_slots(entries, cfg.ranks_per_node, source)
+    if ranks is None or cfg.ranks_per_node is not None:
         return [e.host for e in entries], ranks, "--ranks-per-node"
-    if args.cores_per_rank is not None:
-        raise RunPlanError(f"{source} gives {ranks} slot(s) per host and --cores-per-rank {args.cores_per_rank} "
+    if cfg.cores_per_rank is not None:
+        raise RunPlanError(f"{source} gives {ranks} slot(s) per host and --cores-per-rank {cfg.cores_per_rank} "
                            "is given too", fix="drop the slot counts or --cores-per-rank")
     return [e.host for e in entries], ranks, f"the slot count of {source}:"
 
@@ -122,8 +149,8 @@ def _slurm_node(environ: Mapping[str, str]) -> tuple[Topology, int, Optional[int
     return topo, nodes, cpt, False
 
 
-def _find_launcher(args: argparse.Namespace, environ: Mapping[str, str]) -> str:
-    path = args.launcher or environ.get("CPUDDP_MPIEXEC") or shutil.which("mpiexec") or shutil.which("mpirun")
+def _find_launcher(cfg: RunConfig, environ: Mapping[str, str]) -> str:
+    path = cfg.launcher or environ.get("CPUDDP_MPIEXEC") or shutil.which("mpiexec") or shutil.which("mpirun")
     if not path:
         raise RunPlanError(
             "--hosts/--hostfile need an MPI launcher and none is installed (no mpiexec or mpirun on PATH, "
@@ -174,51 +201,55 @@ def check_hosts(hosts: Sequence[str], resolve=socket.getaddrinfo, connect=socket
 # --------------------------------------------------------------------------- deciding
 
 
-def prepare_job(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[RunPlan, Launch, list[str], list[str]]:
-    """The plan, the launch, the host names and notes for ``args``; raises :class:`RunPlanError`."""
-    hosts, ranks_per_node, ranks_source = _hosts(args)
+def prepare_job(cfg: RunConfig, environ: Mapping[str, str]) -> tuple[RunPlan, Launch, list[str], list[str]]:
+    """The plan, the launch, the host names and notes for ``cfg``; raises :class:`RunPlanError`."""
+    hosts, ranks_per_node, ranks_source = _hosts(cfg)
     in_slurm = bool(environ.get("SLURM_JOB_ID")) and not hosts
     if in_slurm:
         topo, nodes, cpt, known = _slurm_node(environ)
     else:
         topo, nodes, cpt, known = read_topology(), max(1, len(hosts)), None, True
     plan = plan_run(topo, nodes=nodes, ranks_per_node=ranks_per_node, ranks_source=ranks_source,
-                    cores_per_rank=args.cores_per_rank,
+                    cores_per_rank=cfg.cores_per_rank,
                     slurm_cpus_per_task=cpt, omp_num_threads=environ.get("OMP_NUM_THREADS"), cpus_known=known,
                     hosts=hosts)
     tpc = max(1, len(topo.usable) // max(1, len(topo.cores())))
-    settings, notes = settings_env(args.allocator, args.omp, environ,
-                                   allocator_path=None if args.allocator == "none" else find_allocator(args.allocator, environ),
+    settings, notes = settings_env(cfg.allocator, cfg.omp, environ,
+                                   allocator_path=None if cfg.allocator == "none" else find_allocator(cfg.allocator, environ),
                                    runtime=openmp_runtime())
-    if args.max_restarts and (hosts or in_slurm):
-        raise RunPlanError(f"--max-restarts {args.max_restarts} applies to one node (torchrun's agent)",
+    if cfg.max_restarts and (hosts or in_slurm):
+        raise RunPlanError(f"--max-restarts {cfg.max_restarts} applies to one node (torchrun's agent)",
                            fix="drop --max-restarts, or requeue with Slurm (--requeue)")
     if hosts:
-        launcher = _find_launcher(args, environ)
-        if not args.no_host_check:
+        launcher = _find_launcher(cfg, environ)
+        if not cfg.no_host_check:
             check_hosts(hosts)
-        launch = mpi_command(_family(launcher), launcher, plan, hosts, args.script, args.args,
+        launch = mpi_command(_family(launcher), launcher, plan, hosts, cfg.script, cfg.script_args,
                              threads_per_core=tpc, settings=settings)
     elif in_slurm:
         if shutil.which("srun") is None:
             raise RunPlanError(f"in a Slurm allocation (SLURM_JOB_ID={environ['SLURM_JOB_ID']}) but srun is not on PATH",
                                fix="add Slurm's bin directory to PATH (module load slurm)")
-        launch = srun_command(plan, args.script, args.args, settings=settings, threads_per_core=tpc)
+        launch = srun_command(plan, cfg.script, cfg.script_args, settings=settings, threads_per_core=tpc)
     else:
-        launch = torchrun_command(plan, args.script, args.args, max_restarts=args.max_restarts, settings=settings)
+        launch = torchrun_command(plan, cfg.script, cfg.script_args, max_restarts=cfg.max_restarts, settings=settings)
     names = hosts or ([f"slurm node {i}" for i in range(nodes)] if in_slurm else [socket.gethostname()])
     return plan, launch, names, notes
 
 
 def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> int:
-    """``cpuddp run``: print the plan and the command, then exec it (unless ``--dry-run``)."""
+    """``cpuddp run``: print the plan and the command, then exec it (unless ``--dry-run``).
+
+    ``args`` becomes a :class:`RunConfig` here, once; everything below takes that config.
+    """
     environ = os.environ if environ is None else environ
-    if not args.dry_run and not os.path.isfile(args.script):
-        print(f"cpuddp run: error: script {args.script!r} not found\nFix: the path of your training script",
+    cfg = RunConfig.from_args(args)
+    if not cfg.dry_run and not os.path.isfile(cfg.script):
+        print(f"cpuddp run: error: script {cfg.script!r} not found\nFix: the path of your training script",
               file=sys.stderr)
         return 2
     try:
-        plan, launch, names, notes = prepare_job(args, environ)
+        plan, launch, names, notes = prepare_job(cfg, environ)
     except RunPlanError as exc:
         print(f"cpuddp run: error: {exc}", file=sys.stderr)
         return 2
@@ -226,7 +257,7 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     print(f"# engine: {launch.engine}" + "".join(f"\n# {n}" for n in notes))
     print(command_text(launch))
     sys.stdout.flush()
-    if args.dry_run:
+    if cfg.dry_run:
         return 0
     os.execvpe(launch.argv[0], list(launch.argv), {**environ, **launch.env})
     return 1  # pragma: no cover - exec does not return
