@@ -199,3 +199,244 @@ def test_every_module_named_in_a_string_exists():
     assert named, "the scan found no lookup by name: it is broken"
     missing = [f"{m} names {n}" for m, n in sorted(named) if n not in MODULES]
     assert not missing, "no such module:\n" + "\n".join(missing)
+
+
+# --------------------------------------------------------------------------- one owner for each fact
+#
+# Each check below is a pure function of ``{module: source}``, so a made-up module shows that it
+# can fail (``test_the_owner_checks_can_fail``).
+
+SOURCES = {m: p.read_text() for m, p in MODULES.items()}
+
+HERE = "cpuddp.topology.here"
+
+#: What this process may use and who it is on this node: read by one module only.  A call of the
+#: attribute, or a string constant that is no docstring, counts as a read.
+FACT_CALLS = {"sched_getaffinity": HERE, "cpu_affinity": HERE}
+FACT_STRINGS = {"/proc/self/ns": HERE, "boot_id": HERE}
+
+#: Names each defined once, at the top of their owner, and imported from the owner, never from a
+#: module that re-exports them.
+OWNERS = {
+    "allowed_cpus": HERE, "host_identity": HERE, "machine_of": HERE, "pid_alive": HERE,
+    "pid_namespace": HERE,
+    "HostRecord": "cpuddp.launchers.hosts", "parse_record": "cpuddp.launchers.hosts",
+    "BenchConfig": "cpuddp.bench.config",
+}
+
+#: The command-line edges: only they parse arguments; below them a typed config travels.
+ARGPARSE_EDGES = {"cpuddp.__main__", "cpuddp.bench.cli", "cpuddp.run.command", "cpuddp.doctor.command"}
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                out.add(id(body[0].value))
+    return out
+
+
+def _fact_readers(sources: dict[str, str]) -> list[str]:
+    wrong = []
+    for module, source in sources.items():
+        tree = ast.parse(source)
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = FACT_CALLS.get(node.func.attr)
+                if owner and module != owner:
+                    wrong.append(f"{module}:{node.lineno} calls {node.func.attr} (owner: {owner})")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                for text, owner in FACT_STRINGS.items():
+                    if text in node.value and module != owner:
+                        wrong.append(f"{module}:{node.lineno} reads {text} (owner: {owner})")
+    return wrong
+
+
+def test_one_module_reads_this_processs_facts():
+    wrong = _fact_readers(SOURCES)
+    assert not wrong, "facts of this process read outside their owner:\n" + "\n".join(wrong)
+
+
+def _defined_at_top(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return names
+
+
+def _owner_breaches(sources: dict[str, str]) -> list[str]:
+    wrong = []
+    defined = {name: [] for name in OWNERS}
+    for module, source in sources.items():
+        tree = ast.parse(source)
+        for name in _defined_at_top(tree) & set(OWNERS):
+            defined[name].append(module)
+    for name, where in defined.items():
+        if where != [OWNERS[name]]:
+            wrong.append(f"{name} is defined in {sorted(where) or 'no module'} (owner: {OWNERS[name]})")
+    for module in sources:
+        for target, taken in _imports_in(module, sources[module]):
+            if taken in OWNERS and target != OWNERS[taken] and module != OWNERS[taken]:
+                wrong.append(f"{module} imports {taken} from {target} (owner: {OWNERS[taken]})")
+        for line, target, name in _attributes(module, sources[module]):
+            if name in OWNERS and target != OWNERS[name]:
+                wrong.append(f"{module}:{line} reads {target}.{name} (owner: {OWNERS[name]})")
+    return wrong
+
+
+def _imports_in(module: str, source: str) -> Iterator[tuple[str, str]]:
+    if module in MODULES and SOURCES.get(module) == source:
+        yield from _imports(module)
+        return
+    package = module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            source_mod = ".".join(base + [node.module])
+            for alias in node.names:
+                yield source_mod, alias.name
+
+
+def test_each_shared_name_has_one_owner():
+    wrong = _owner_breaches(SOURCES)
+    assert not wrong, "\n".join(wrong)
+
+
+def _bound_modules(module: str, source: str) -> dict[str, str]:
+    """Names bound to a module of the package by ``from ... import module``."""
+    is_package = module in MODULES and MODULES[module].name == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    bound = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            src = ".".join(base + ([node.module] if node.module else []))
+            for alias in node.names:
+                if f"{src}.{alias.name}" in MODULES:
+                    bound[alias.asname or alias.name] = f"{src}.{alias.name}"
+    return bound
+
+
+def _attributes(module: str, source: str) -> Iterator[tuple[int, str, str]]:
+    """``(line, module, name)`` for each ``module.name`` read through a bound module."""
+    bound = _bound_modules(module, source)
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+            yield node.lineno, bound[node.value.id], node.attr
+
+
+def _private_crossings(sources: dict[str, str]) -> list[str]:
+    """``from cpuddp.x import _name`` and ``x._name`` across areas (a private module such as
+    ``cpuddp._compat`` is a module, not a private name)."""
+    wrong = []
+    for module, source in sources.items():
+        mine = _area(module)
+        for target, taken in _imports_in(module, source):
+            if taken.startswith("_") and not taken.startswith("__") and _area(target) != mine:
+                wrong.append(f"{module} imports {target}.{taken}")
+        for line, target, name in _attributes(module, source):
+            if name.startswith("_") and not name.startswith("__") and _area(target) != mine:
+                wrong.append(f"{module}:{line} uses {target}.{name}")
+    return wrong
+
+
+def test_no_private_name_crosses_an_area():
+    wrong = _private_crossings(SOURCES)
+    assert not wrong, "private names used from another area:\n" + "\n".join(wrong)
+
+
+def _oversized(sources: dict[str, str], module_limit: int = 500, function_limit: int = 60) -> list[str]:
+    wrong = []
+    for module, source in sources.items():
+        if source.count("\n") > module_limit:
+            wrong.append(f"{module}: {source.count(chr(10))} lines (limit {module_limit})")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > function_limit:
+                    wrong.append(f"{module}:{node.lineno} {node.name}: {length} lines (limit {function_limit})")
+    return wrong
+
+
+def test_no_module_over_500_lines_and_no_function_over_60():
+    wrong = _oversized(SOURCES)
+    assert not wrong, "split these:\n" + "\n".join(wrong)
+
+
+def _globals(sources: dict[str, str], module: str = "cpuddp.distributed") -> list[str]:
+    return [f"{module}:{n.lineno} global {', '.join(n.names)}"
+            for n in ast.walk(ast.parse(sources[module])) if isinstance(n, ast.Global)]
+
+
+def test_the_session_state_lives_in_one_object():
+    wrong = _globals(SOURCES)
+    assert not wrong, "the session's state belongs to its one object:\n" + "\n".join(wrong)
+
+
+def _names_written_twice(sources: dict[str, str], module: str = "cpuddp.launchers.readers") -> list[str]:
+    """A reader records where a value came from as it reads it; a variable's name written again
+    into ``sources`` is a second copy that can drift."""
+    wrong = []
+    for node in ast.walk(ast.parse(sources[module])):
+        values = []
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "update" \
+                and ast.unparse(node.func.value).endswith("sources"):
+            values = [k.value for k in node.keywords] + list(node.args)
+        elif isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Subscript) and ast.unparse(t.value).endswith("sources") for t in node.targets):
+            values = [node.value]
+        for value in values:
+            names = [c.value for c in ast.walk(value) if isinstance(c, ast.Constant)
+                     and isinstance(c.value, str) and re.fullmatch(r"[A-Z][A-Z0-9_]+", c.value)]
+            if names:
+                wrong.append(f"{module}:{node.lineno} writes {', '.join(names)} into sources")
+    return wrong
+
+
+def test_readers_name_each_variable_once():
+    wrong = _names_written_twice(SOURCES)
+    assert not wrong, "\n".join(wrong)
+
+
+def _argparse_users(sources: dict[str, str]) -> list[str]:
+    return sorted(m for m, s in sources.items() for n in ast.walk(ast.parse(s))
+                  if isinstance(n, ast.Import) and any(a.name == "argparse" for a in n.names)
+                  and m not in ARGPARSE_EDGES)
+
+
+def test_only_the_command_line_edges_parse_arguments():
+    wrong = _argparse_users(SOURCES)
+    assert not wrong, f"argparse below the edges (pass a typed config instead): {wrong}"
+
+
+def test_the_owner_checks_can_fail():
+    made_up = {
+        "cpuddp.train.made_up": (
+            '"""Reads os.sched_getaffinity in its docstring: that is no read."""\n'
+            "import os, argparse\n"
+            "from ..launchers.hosts import allowed_cpus\n"
+            "from ..affinity.pin import _set_affinity\n"
+            "from .. import affinity\n"
+            "def allowed_cpus():\n    global X\n    return os.sched_getaffinity(0), open('/proc/self/ns/pid')\n"
+            "affinity._secret()\n"
+            "from ..launchers import hosts\nhosts.pid_alive(1)\n"
+        ),
+        "cpuddp.launchers.readers": 'out.sources.update(rank="RANK")\nout.sources["x"] = v.first("A_B") or ""\n',
+        "cpuddp.distributed": "def f():\n    global _current\n",
+    }
+    assert len(_fact_readers(made_up)) == 2
+    assert any("allowed_cpus is defined in" in w for w in _owner_breaches({**SOURCES, **made_up}))
+    assert any("imports allowed_cpus from cpuddp.launchers.hosts" in w for w in _owner_breaches(made_up))
+    assert any("reads cpuddp.launchers.hosts.pid_alive" in w for w in _owner_breaches(made_up))
+    assert len(_private_crossings(made_up)) == 2
+    assert _oversized(made_up, module_limit=3, function_limit=2)
+    assert _globals(made_up) and _globals(made_up, "cpuddp.train.made_up")
+    assert len(_names_written_twice(made_up)) == 2
+    assert _argparse_users(made_up) == ["cpuddp.train.made_up"]

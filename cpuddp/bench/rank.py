@@ -376,13 +376,10 @@ def measure_copy_bandwidth(nbytes: int, reps: int = 5) -> dict[str, Any]:
 def _rank_info() -> dict[str, Any]:
     import torch
 
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        cpus = []
-    from cpuddp.launchers.hosts import host_identity
+    from cpuddp.topology import here
 
-    return {"host": socket.gethostname(), "host_id": host_identity(), "pid": os.getpid(), "cpus": format_cpulist(cpus),
+    cpus = list(here.allowed_cpus())
+    return {"host": socket.gethostname(), "host_id": here.host_identity(), "pid": os.getpid(), "cpus": format_cpulist(cpus),
             "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
 
 
