@@ -208,7 +208,8 @@ def clean_environ(environ: Mapping[str, str], *, strip_backend_settings: bool = 
 
 
 def detect(environ: Mapping[str, str]) -> DistEnv:
-    """Build the :class:`~cpuddp.launchers.env.DistEnv` that ``environ`` describes (pure).
+    """Build the :class:`~cpuddp.launchers.env.DistEnv` that ``environ`` describes (a function
+    of ``environ`` alone; a reader that does not match may log why, in its ``declined``).
 
     Raises :class:`cpuddp.errors.LauncherEnvError` when the variables are half-set,
     inconsistent or malformed: partial information is an error, complete absence is a
