@@ -129,8 +129,15 @@ def _check_world(env: Any, num_devices: int, num_nodes: int) -> None:
 def _classes(package: str) -> dict[str, type]:
     """The Lightning subclasses, made on first use so ``import cpuddp.lightning`` imports no Lightning."""
     trainer_pkg, fabric_pkg = _PACKAGES[package]
+    environment = _environment_class(fabric_pkg)
+    return {"environment": environment,
+            "trainer": _trainer_class(trainer_pkg, fabric_pkg, environment),
+            "fabric": _fabric_class(fabric_pkg, environment)}
+
+
+def _environment_class(fabric_pkg: str) -> type:
+    """``CpuddpEnvironment``, a subclass of the package's ``ClusterEnvironment``."""
     envs = importlib.import_module(f"{fabric_pkg}.plugins.environments")
-    fabric_ddp = importlib.import_module(f"{fabric_pkg}.strategies").DDPStrategy
 
     class CpuddpEnvironment(envs.ClusterEnvironment):  # type: ignore[misc, name-defined]
         """Ranks from :func:`cpuddp.launchers.detect`: Intel MPI, MPICH, Open MPI, MVAPICH, PMIx,
@@ -181,18 +188,26 @@ def _classes(package: str) -> dict[str, type]:
         def validate_settings(self, num_devices: int, num_nodes: int) -> None:
             _check_world(self, num_devices, num_nodes)
 
-    def _environment(kwargs: dict[str, Any]) -> Any:
-        if kwargs.get("cluster_environment") is None and CpuddpEnvironment.detect():
-            kwargs["cluster_environment"] = CpuddpEnvironment()
-        return kwargs
+    return CpuddpEnvironment
 
+
+def _with_environment(kwargs: dict[str, Any], environment: Any) -> dict[str, Any]:
+    """``kwargs`` with ``cluster_environment=environment()`` when a launcher started the process
+    and the user gave none."""
+    if kwargs.get("cluster_environment") is None and environment.detect():
+        kwargs["cluster_environment"] = environment()
+    return kwargs
+
+
+def _trainer_class(trainer_pkg: str, fabric_pkg: str, environment: type) -> type:
+    """``CpuddpTrainerStrategy``, a subclass of the ``Trainer``'s ``DDPStrategy``."""
     trainer_ddp = importlib.import_module(f"{trainer_pkg}.strategies").DDPStrategy
 
     class CpuddpTrainerStrategy(trainer_ddp):  # type: ignore[misc, valid-type]
         """``DDPStrategy`` for ``Trainer`` whose group is cpuddp's (backend and pinning)."""
 
         def __init__(self, cpuddp_backend: str = "auto", **kwargs: Any) -> None:
-            super().__init__(**_environment(kwargs))
+            super().__init__(**_with_environment(kwargs, environment))
             self._cpuddp_backend = cpuddp_backend
 
         def setup_distributed(self) -> None:
@@ -200,16 +215,22 @@ def _classes(package: str) -> dict[str, type]:
             self.set_world_ranks()
             _setup_on_cpuddp(self, self._cpuddp_backend)
 
+    return CpuddpTrainerStrategy
+
+
+def _fabric_class(fabric_pkg: str, environment: type) -> type:
+    """``CpuddpFabricStrategy``, a subclass of Fabric's ``DDPStrategy``."""
+    fabric_ddp = importlib.import_module(f"{fabric_pkg}.strategies").DDPStrategy
+
     class CpuddpFabricStrategy(fabric_ddp):  # type: ignore[misc, valid-type]
         """``DDPStrategy`` for ``Fabric`` whose group is cpuddp's (backend and pinning)."""
 
         def __init__(self, cpuddp_backend: str = "auto", **kwargs: Any) -> None:
-            super().__init__(**_environment(kwargs))
+            super().__init__(**_with_environment(kwargs, environment))
             self._cpuddp_backend = cpuddp_backend
 
         def _setup_distributed(self) -> None:
             self._set_world_ranks()
             _setup_on_cpuddp(self, self._cpuddp_backend)
 
-    return {"environment": CpuddpEnvironment, "trainer": CpuddpTrainerStrategy, "fabric": CpuddpFabricStrategy}
-
+    return CpuddpFabricStrategy

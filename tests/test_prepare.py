@@ -554,6 +554,18 @@ def _ddp_checks() -> dict:
         gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, flat)
         out[hook] = (prepared_info(dm).comm_hook, [str(x.message) for x in w], torch.equal(gathered[0], gathered[1]))
+    # a bf16 hook the backend cannot run: the warning points at the user's prepare() call
+    from cpuddp.train import comm as comm_mod
+
+    probe, comm_mod.bf16_allreduce_supported = comm_mod.bf16_allreduce_supported, lambda group: (False, "no")
+    try:
+        m = _mlp()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), ipex=False, comm_hook="bf16")
+        out["bf16_refused_at"] = [x.filename for x in w if "comm_hook" in str(x.message)]
+    finally:
+        comm_mod.bf16_allreduce_supported = probe
     # an evaluation-only model (nothing requires grad) is not wrapped
     frozen = _mlp().requires_grad_(False)
     out["frozen_ddp"] = isinstance(prepare(frozen), DDP)
@@ -568,6 +580,7 @@ def test_ddp_wrap_on_two_ranks(run_distributed):
         assert r["info"]["ddp"] and r["info"]["world_size"] == 2
         assert r["again"] and r["inner_again"]
         assert not r["frozen_ddp"]
+        assert r["bf16_refused_at"] == [__file__]
         assert r["fp16"][0] == "fp16" and r["fp16"][2]
         ok, why = r["bf16_allreduce"]
         assert r["bf16"][0] == ("bf16" if ok else None), why

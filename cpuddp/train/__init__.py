@@ -1,8 +1,9 @@
 """train: what a training script calls once the group is formed.
 
 Owns: :func:`cpuddp.prepare` and its steps (:mod:`.prepare`; precision :mod:`.precision`,
-optimizer :mod:`.optim`, gradient communication :mod:`.comm`, IPEX :mod:`.ipex`; sharding
-:mod:`.shard` (FSDP2) and :mod:`.zero` (``shard="optimizer"``)), the gradient helpers for every
+optimizer :mod:`.optim`, gradient communication :mod:`.comm`, IPEX :mod:`.ipex`, the DDP wrap
+or FSDP2 and ``torch.compile`` :mod:`.distribute`; sharding :mod:`.shard` (FSDP2) and
+:mod:`.zero` (``shard="optimizer"``)), the gradient helpers for every
 mode (:mod:`.grads`: ``clip_grad_norm_``, ``no_sync``), the loop
 helpers (:mod:`.loop`: autocast, metrics, the model's state dict; sharding data and its
 position :mod:`.data`), checkpoints (a file written atomically :mod:`.checkpoint`, a

@@ -28,7 +28,7 @@ import math
 import os
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
@@ -315,30 +315,12 @@ def shard(
     world = w if num_replicas is None else num_replicas
 
     if isinstance(data, DataLoader):
-        loader_shuffle = _loader_shuffle(data)
-        if loader_shuffle is None:  # it already samples with a DistributedSampler
-            return ShardedLoader(data, data.sampler)
-        if data.batch_size is None:
-            raise PrepareError(
-                "the DataLoader uses a custom batch_sampler; cpuddp cannot shard it.",
-                fix="pass the Dataset to cpuddp.shard(dataset, batch_size=...)",
-            )
-        if world == 1 and shuffle is None and batch_size is None and drop_last is None and not loader_kwargs:
-            return ShardedLoader(data, None)
-        dataset, kwargs = data.dataset, _loader_kwargs(data, loader_kwargs)
-        batch_size = data.batch_size if batch_size is None else batch_size
-        shuffle = loader_shuffle if shuffle is None else shuffle
-        drop_last = data.drop_last if drop_last is None else drop_last
+        settings = _from_loader(data, world, batch_size, shuffle, drop_last, loader_kwargs)
+        if isinstance(settings, ShardedLoader):
+            return settings
     else:
-        if isinstance(data, IterableDataset):
-            raise PrepareError(
-                "cannot shard an IterableDataset by sampling.",
-                fix="shard the iterable yourself (skip items where index % world_size != rank)",
-            )
-        dataset, kwargs = data, dict(loader_kwargs)
-        batch_size = 1 if batch_size is None else batch_size
-        shuffle = True if shuffle is None else shuffle
-        drop_last = False if drop_last is None else drop_last
+        settings = _from_dataset(data, batch_size, shuffle, drop_last, loader_kwargs)
+    dataset, kwargs, batch_size, shuffle, drop_last = settings
 
     if worker_threads is not None and kwargs.get("num_workers", 0) > 0:
         plan = affinity.current_plan()
@@ -346,6 +328,56 @@ def shard(
     sampler = _ResumableSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed)
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last, **kwargs)
     return ShardedLoader(loader, sampler)
+
+
+class _Settings(NamedTuple):
+    """What :func:`shard` builds its DataLoader from."""
+
+    dataset: Dataset
+    kwargs: dict[str, Any]
+    batch_size: int
+    shuffle: bool
+    drop_last: bool
+
+
+def _from_loader(loader: DataLoader, world: int, batch_size: Optional[int], shuffle: Optional[bool],
+                 drop_last: Optional[bool], overrides: Mapping[str, Any]) -> Union[ShardedLoader, _Settings]:
+    """``loader`` wrapped, when it needs no new sampler (it has a ``DistributedSampler``, or
+    nothing changes at world size 1); else the settings of its rebuild, its own where the
+    caller gave none."""
+    loader_shuffle = _loader_shuffle(loader)
+    if loader_shuffle is None:  # it already samples with a DistributedSampler
+        return ShardedLoader(loader, loader.sampler)
+    if loader.batch_size is None:
+        raise PrepareError(
+            "the DataLoader uses a custom batch_sampler; cpuddp cannot shard it.",
+            fix="pass the Dataset to cpuddp.shard(dataset, batch_size=...)",
+        )
+    if world == 1 and shuffle is None and batch_size is None and drop_last is None and not overrides:
+        return ShardedLoader(loader, None)
+    return _Settings(
+        loader.dataset, _loader_kwargs(loader, overrides),
+        loader.batch_size if batch_size is None else batch_size,
+        loader_shuffle if shuffle is None else shuffle,
+        loader.drop_last if drop_last is None else drop_last,
+    )
+
+
+def _from_dataset(dataset: Dataset, batch_size: Optional[int], shuffle: Optional[bool],
+                  drop_last: Optional[bool], overrides: Mapping[str, Any]) -> _Settings:
+    """The settings for a map-style ``dataset``: one sample a batch, shuffled, the last partial
+    batch kept, where the caller gave none."""
+    if isinstance(dataset, IterableDataset):
+        raise PrepareError(
+            "cannot shard an IterableDataset by sampling.",
+            fix="shard the iterable yourself (skip items where index % world_size != rank)",
+        )
+    return _Settings(
+        dataset, dict(overrides),
+        1 if batch_size is None else batch_size,
+        True if shuffle is None else shuffle,
+        False if drop_last is None else drop_last,
+    )
 
 
 def _loader_shuffle(loader: DataLoader) -> Optional[bool]:

@@ -31,7 +31,7 @@ from torch import nn
 from cpuddp.errors import CheckpointError, PrepareError
 from cpuddp.ranks import group_rank_world as _rank_world
 
-from . import prepare as preparation
+from . import precision
 from .checkpoint import write_atomically
 from .data import ShardedLoader, shard
 from .paths import open_own_file, state_nbytes
@@ -96,8 +96,8 @@ def autocast_for(
 
 def _cpu_runs_bf16() -> bool:
     """prepare's bf16 decision for this CPU, with its fp32 fall-back warning."""
-    ok, why = preparation.cpu_bf16_support()
-    dtype, reason = preparation.decide_precision("bf16", strict=False, cpu_bf16=ok, reason=why)
+    ok, why = precision.cpu_bf16_support()
+    dtype, reason = precision.decide_precision("bf16", strict=False, cpu_bf16=ok, reason=why)
     if dtype is None:
         warnings.warn(f"cpuddp.autocast_for: {reason}", stacklevel=3)
     return dtype is not None

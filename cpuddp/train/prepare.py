@@ -54,7 +54,8 @@ what was decided and why; :func:`unwrap` returns the user's module.
 The steps are small functions in this module, called in order by :func:`prepare` (each
 testable alone); the parts with their own subject live beside it: :mod:`cpuddp.train.precision`
 (bf16 probe, precision decision, autocast hooks), :mod:`cpuddp.train.optim` (fused-Adam
-decision, ``ipex.optimize``) and :mod:`cpuddp.train.comm` (``comm_hook``, the bf16 hook).
+decision, ``ipex.optimize``), :mod:`cpuddp.train.comm` (``comm_hook``, the bf16 hook) and
+:mod:`cpuddp.train.distribute` (the DDP wrap or FSDP2, the gradient hook, ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -73,13 +74,14 @@ from torch import nn
 
 from cpuddp.errors import PrepareError
 
-from .comm import bf16_allreduce_hook, bf16_allreduce_supported, check_comm_hook, register_hook
-from .layout import gather_places
+from .comm import bf16_allreduce_hook, bf16_allreduce_supported, check_comm_hook
+from .distribute import compile_model, distribute
+from .distribute import ddp_kwargs as _ddp_kwargs  # noqa: F401  (the DDP-kwargs step, read here by test_prepare)
 from .optim import fuse_optimizer, ipex_optimize
 from .precision import cpu_bf16_support, decide_precision
 from .precision_trial import add_precision_hooks
-from .shard import apply_full, check_shard_request, check_shardable
-from .zero import ZeroStep, check_zero_optimizer
+from .shard import check_shard_request, check_shardable
+from .zero import check_zero_optimizer
 
 __all__ = [
     "prepare",
@@ -175,8 +177,9 @@ def prepared_info(model: nn.Module) -> Optional[PrepareInfo]:
 
 
 # --------------------------------------------------------------------------- the steps
-# Each step is called once, in this order, by prepare(); a step that warns does so with
-# stacklevel=3 (the step, prepare, the user's call).
+# Each step is called once by prepare(), directly or through one helper (_prepared_again,
+# _optimize, _precision_hooks); a step that warns does so with stacklevel=3 (the step, prepare,
+# the user's call), so prepare() calls it directly.
 
 
 def _already_prepared(
@@ -313,63 +316,27 @@ def _fuse_step(optimizer: Optional[torch.optim.Optimizer], fused_optimizer: bool
     return fused
 
 
-def _ddp_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
-    """``DistributedDataParallel`` keyword arguments: cpuddp's CPU defaults, then the user's."""
-    kw: dict[str, Any] = dict(
-        device_ids=None,
-        gradient_as_bucket_view=True,
-        static_graph=options["static_graph"],
-        find_unused_parameters=options["find_unused_parameters"],
-        process_group=options["process_group"],
-    )
-    if options["broadcast_buffers"] is not None:  # deprecated in torch 2.13; pass only when chosen
-        kw["broadcast_buffers"] = options["broadcast_buffers"]
-    if options["bucket_cap_mb"] is not None:
-        kw["bucket_cap_mb"] = options["bucket_cap_mb"]
-    kw.update(options["ddp_kwargs"])
-    return kw
+def _optimize(probe: Any, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], dtype: Optional[torch.dtype],
+              options: Mapping[str, Any], all_reduces: bool, notes: list[str]) -> tuple[nn.Module, bool]:
+    """The IPEX path when ``probe`` says so, else the stock one: ``(model, fused optimizer?)``."""
+    if probe is None:
+        return model, _fuse_step(optimizer, options["fused_optimizer"], notes)
+    ipex_dtype = dtype if options["mixed_precision"] == "bf16" else None  # "auto" measures fp32 too: fp32 weights
+    model = _optimize_with_ipex(probe, model, optimizer, ipex_dtype, all_reduces, options["process_group"], notes)
+    return model, False
 
 
-def _wrap_ddp(core: nn.Module, options: Mapping[str, Any]) -> nn.Module:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise PrepareError(
-            "ddp=True, but torch.distributed is not initialized.",
-            fix="call cpuddp.init_distributed() before cpuddp.prepare()",
-        )
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(core, **_ddp_kwargs(options))
-
-
-def _shard_full(core: nn.Module, optimizer: Optional[torch.optim.Optimizer], options: Mapping[str, Any],
-                bf16_params: bool, notes: list[str]) -> nn.Module:
-    """shard="full": FSDP2 over this node's ranks (HSDP across nodes), the optimizer rebound;
-    ``bf16_params``: FSDP2's bf16 MixedPrecisionPolicy (an explicit "bf16": not trialled, as FSDP2
-    cannot turn it off after a trial; "auto" keeps fp32 parameters under the trial's autocast)."""
-    from cpuddp.ranks import get_local_rank, get_local_world_size, get_node_rank
-
-    return apply_full(core, optimizer, blocks=options["shard_blocks"], scope=options["shard_scope"],
-                      group=options["process_group"], bf16=bf16_params, notes=notes,
-                      node_of=lambda: (get_node_rank(), get_local_rank(), get_local_world_size()))
-
-
-def _gradient_hook(ddp: nn.Module, optimizer: Optional[torch.optim.Optimizer], sharding: Optional[str],
-                   options: Mapping[str, Any], notes: list[str]) -> Optional[str]:
-    """The DDP model's gradient communication: shard="optimizer"'s reduce-scatter, or ``comm_hook``."""
-    if sharding == "optimizer":
-        assert optimizer is not None  # check_zero_optimizer
-        ZeroStep(ddp, optimizer, options["process_group"])
-        notes.append("shard='optimizer': gradients reduce-scattered, optimizer state sharded (from the step after "
-                     "DDP's bucket layout settles; the steps before run as DDP)")
-        return "reduce_scatter"
-    return register_hook(ddp, options["comm_hook"], options["process_group"], options["strict"], notes, stacklevel=4)
-
-
-def _compile(module: nn.Module, compile: Union[bool, Mapping[str, Any]]) -> tuple[nn.Module, bool]:
-    if not compile:
-        return module, False
-    ckw = dict(compile) if isinstance(compile, Mapping) else {}
-    return torch.compile(module, **ckw), True  # type: ignore[return-value]
+def _precision_hooks(outer: nn.Module, core: nn.Module, dtype: Optional[torch.dtype], reason: str, measure: bool,
+                     options: Mapping[str, Any]) -> tuple[Optional[str], str]:
+    """The forward under autocast when bf16 is on (the trial first, when ``measure``): the
+    precision in force and why."""
+    if dtype is None:
+        return None, reason
+    # "auto" and "bf16" measure both precisions first (precision_trial.py)
+    precision, why = add_precision_hooks(outer, dtype, options["output_fp32"], requested=options["mixed_precision"],
+                                         group=options["process_group"], measure=measure,
+                                         on_decide=lambda bf16, decided: _decided(core, bf16, decided))
+    return precision, why or reason
 
 
 def _remember(info: PrepareInfo, core: nn.Module, outer: nn.Module,
@@ -388,23 +355,43 @@ def _decided(core: nn.Module, bf16: bool, reason: str) -> None:
         rec.info = dataclasses.replace(rec.info, mixed_precision="bf16" if bf16 else None, precision_reason=reason)
 
 
+def _prepared_again(model: Any, optimizer: Optional[torch.optim.Optimizer],
+                    options: Mapping[str, Any]) -> Optional[nn.Module]:
+    """The checks before any step: the prepared model when ``model`` was prepared with these
+    arguments (None when it was not); :class:`PrepareError` for what prepare cannot take."""
+    if not isinstance(model, nn.Module):
+        raise PrepareError(f"prepare() needs a torch.nn.Module. Got {type(model).__name__} instead.")
+    again = _already_prepared(model, optimizer, options)
+    if again is not None:
+        return again
+    _check_bare_cpu_module(model)
+    check_comm_hook(options["comm_hook"])
+    check_shard_request(options["shard"], options)
+    return None
+
+
+def _info(options: Mapping[str, Any], probe: Any, world: int, sharding: Optional[str], ddp: bool, *,
+          precision: Optional[str], precision_reason: str, fused: bool, hook_name: Optional[str], compiled: bool,
+          notes: list[str]) -> PrepareInfo:
+    """What prepare decided, for :func:`prepared_info` (``options``: the arguments as given)."""
+    return PrepareInfo(
+        path="ipex" if probe is not None else "stock",
+        mixed_precision=precision,
+        requested_precision=options["mixed_precision"],
+        precision_reason=precision_reason,
+        fused_optimizer=fused,
+        ddp=ddp and sharding != "full",
+        world_size=world,
+        comm_hook=hook_name,
+        compiled=compiled,
+        ipex_version=probe.ipex_version if probe is not None else None,
+        shard=sharding,
+        notes=tuple(notes),
+        options=options,
+    )
+
+
 # --------------------------------------------------------------------------- prepare
-
-
-def _distribute(core: nn.Module, optimizer: Optional[torch.optim.Optimizer], sharding: Optional[str], do_ddp: bool,
-                bf16_params: bool, options: Mapping[str, Any], notes: list[str]) -> tuple[nn.Module, Optional[str]]:
-    """Shard (FSDP2) or wrap in DDP (with its gradient hook) as decided: ``(outer module, hook name)``."""
-    outer, hook_name = core, None
-    if sharding == "full":
-        outer = _shard_full(core, optimizer, options, bf16_params, notes)
-    elif do_ddp:
-        outer = _wrap_ddp(core, options)
-        hook_name = _gradient_hook(outer, optimizer, sharding, options, notes)
-    elif options["comm_hook"] is not None:
-        notes.append("comm_hook ignored: no DDP wrap at world size 1")
-    if sharding == "full" or do_ddp:
-        gather_places(options["process_group"])  # each rank's CPUs and threads, for Progress's header (layout.py)
-    return outer, hook_name
 
 
 def prepare(
@@ -442,59 +429,28 @@ def prepare(
     or "world"): :mod:`cpuddp.train.shard`.  See the module docstring for the rest.
     """
     options = dict(
-        mixed_precision=mixed_precision, strict=strict, ipex=ipex, fused_optimizer=fused_optimizer,
-        compile=compile, ddp=ddp, shard=shard, shard_blocks=shard_blocks, shard_scope=shard_scope,
-        bucket_cap_mb=bucket_cap_mb, static_graph=static_graph,
-        find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
-        comm_hook=comm_hook, output_fp32=output_fp32, process_group=process_group,
-        ddp_kwargs=dict(ddp_kwargs or {}),
+        mixed_precision=mixed_precision, strict=strict, ipex=ipex, fused_optimizer=fused_optimizer, compile=compile,
+        ddp=ddp, shard=shard, shard_blocks=shard_blocks, shard_scope=shard_scope, bucket_cap_mb=bucket_cap_mb,
+        static_graph=static_graph, find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
+        comm_hook=comm_hook, output_fp32=output_fp32, process_group=process_group, ddp_kwargs=dict(ddp_kwargs or {}),
     )
-    if not isinstance(model, nn.Module):
-        raise PrepareError(f"prepare() needs a torch.nn.Module. Got {type(model).__name__} instead.")
-    again = _already_prepared(model, optimizer, options)
+    again = _prepared_again(model, optimizer, options)
     if again is not None:
         return again
-    _check_bare_cpu_module(model)
-    check_comm_hook(comm_hook)
-    check_shard_request(shard, options)
 
     notes: list[str] = []
     world = _world_size(process_group)
     sharding = _sharding(shard, world, model, optimizer, notes)
     probe = _choose_path(ipex, notes, sharding)
-    dtype, precision_reason = _choose_precision(mixed_precision, strict)
+    dtype, precision_reason = _choose_precision(mixed_precision, strict)  # may warn: called from here
     do_ddp = decide_ddp(ddp, world_size=world, wants_grad=any(p.requires_grad for p in model.parameters()))
-    fused = False
-    if probe is not None:
-        ipex_dtype = dtype if mixed_precision == "bf16" else None  # "auto" measures fp32 too: fp32 weights
-        model = _optimize_with_ipex(probe, model, optimizer, ipex_dtype, do_ddp and world > 1, process_group, notes)
-    else:
-        fused = _fuse_step(optimizer, fused_optimizer, notes)
-    core = model
+    core, fused = _optimize(probe, model, optimizer, dtype, options, do_ddp and world > 1, notes)
     bf16_params = sharding == "full" and dtype is not None and mixed_precision == "bf16"
-    outer, hook_name = _distribute(core, optimizer, sharding, do_ddp, bf16_params, options, notes)
-    outer, compiled = _compile(outer, compile)
-    precision: Optional[str] = None
-    if dtype is not None:  # "auto" and "bf16" measure both precisions first (precision_trial.py)
-        precision, why = add_precision_hooks(outer, dtype, output_fp32, requested=mixed_precision, group=process_group,
-                                             measure=(probe is None or mixed_precision == "auto") and not bf16_params,
-                                             on_decide=lambda bf16, reason: _decided(core, bf16, reason))
-        precision_reason = why or precision_reason
-
-    info = PrepareInfo(
-        path="ipex" if probe is not None else "stock",
-        mixed_precision=precision,
-        requested_precision=mixed_precision,
-        precision_reason=precision_reason,
-        fused_optimizer=fused,
-        ddp=do_ddp and sharding != "full",
-        world_size=world,
-        comm_hook=hook_name,
-        compiled=compiled,
-        ipex_version=probe.ipex_version if probe is not None else None,
-        shard=sharding,
-        notes=tuple(notes),
-        options=options,
-    )
+    outer, hook_name = distribute(core, optimizer, sharding, do_ddp, bf16_params, options, notes)
+    outer, compiled = compile_model(outer, compile)
+    measure = (probe is None or mixed_precision == "auto") and not bf16_params
+    precision, precision_reason = _precision_hooks(outer, core, dtype, precision_reason, measure, options)
+    info = _info(options, probe, world, sharding, do_ddp, precision=precision, precision_reason=precision_reason,
+                 fused=fused, hook_name=hook_name, compiled=compiled, notes=notes)
     _remember(info, core, outer, optimizer)
     return outer

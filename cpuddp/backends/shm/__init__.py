@@ -1,9 +1,14 @@
 """backends.shm: cpuddp's shared-memory process group for the ranks of one node.
 
-Owns: whether it can run here and the segment's layout, pure and light (:mod:`.check`), the
-node's ranks and the segment they share (:mod:`.segment`), the per-call agreement
-(:mod:`.agree`), the data path and its waiting (:mod:`.path`), and the process group that
-torch calls (:mod:`.group`, which imports torch and registers ``"shm"``).
+Owns: whether it can run here and the segment's layout, pure and light (:mod:`.check`); the
+group's options and lifecycle hooks, without torch (:mod:`.api`); which ranks share the node
+(:mod:`.node`); the node's segment (:mod:`.segment`) and its hand-over from local rank 0
+(:mod:`.handover`); the per-call agreement (:mod:`.agree`); waiting for the node's peers
+(:mod:`.wait`); the node-local data path (:mod:`.local`) and the leg across nodes
+(:mod:`.cross`); where collectives run (:mod:`.stream`); argument forms and size checks
+(:mod:`.forms`), reduce ops and staging (:mod:`.ops`), sparse all_reduce (:mod:`.sparse`) and
+send/recv (:mod:`.p2p`); the collectives torch calls (:mod:`.calls`) and the process group
+(:mod:`.group`, which imports torch and registers ``"shm"``).
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp._units`, :mod:`cpuddp.launchers`, :mod:`cpuddp.topology.here`.
 
 Importing this package imports nothing: :mod:`cpuddp.backends` asks :mod:`.check` without

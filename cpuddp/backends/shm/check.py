@@ -18,7 +18,7 @@ The segment is an anonymous ``memfd`` handed from local rank 0 to its peers over
 
 Environment variables read: ``CPUDDP_SHM`` (``0`` opts out of auto), ``CPUDDP_SHM_SLOT`` (bytes
 per rank and buffer, default 1M; K/M/G suffixes as in ``cpuddp bench``).  ``CPUDDP_SHM_DIR`` is
-no longer read (round 3: nothing is created in a directory).
+not read: nothing is created in a directory.
 """
 
 from __future__ import annotations
