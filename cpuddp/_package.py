@@ -2,10 +2,10 @@
 
 ``__version__`` is written here once (pyproject.toml reads it).  :func:`lazy_names` gives a
 package the ``__getattr__`` and ``__dir__`` (PEP 562) that load each public name from its module
-on first use: ``cpuddp`` itself and its public subpackages (``cpuddp.backends``,
-``cpuddp.launchers``, ``cpuddp.topology``, ``cpuddp.affinity``, ``cpuddp.testing``) use it, so
-importing one module of an area never imports the rest of the area, and ``import cpuddp`` stays
-light.
+on first use, where that keeps an import light that people pay for: ``cpuddp`` itself (its
+names import torch), ``cpuddp.launchers`` (every area imports one of its modules) and
+``cpuddp.testing`` (pytest imports it in every session); docs/code.md, "Lazy names", has the
+measurements.
 """
 
 from __future__ import annotations
