@@ -250,7 +250,7 @@ def test_doctor_auto_is_inits_rule_with_and_without_torch() -> None:
     init_distributed picks (the same function), with and without --torch, and the light path
     stays torch-free and under a second."""
     from cpuddp.backends import resolve_backend
-    from cpuddp.launchers.hosts import allowed_cpus
+    from cpuddp.topology.here import allowed_cpus
     from cpuddp.launchers import detect
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("CPUDDP_", "CCL_"))}
@@ -296,7 +296,7 @@ def test_from_a_shell_it_shows_what_a_job_of_n_ranks_would_get() -> None:
 def report_backend_for_two() -> str:
     from cpuddp.backends import registry
     from cpuddp.launchers.env import DistEnv
-    from cpuddp.launchers.hosts import allowed_cpus
+    from cpuddp.topology.here import allowed_cpus
 
     env = DistEnv(world_size=2, local_world_size=2, launcher="torchrun", agent_store=True)
     return registry.resolve_backend("auto", env, node_cpus=len(allowed_cpus()), probe_torch=False).name

@@ -212,13 +212,13 @@ HERE = "cpuddp.topology.here"
 
 #: What this process may use and who it is on this node: read by one module only.  A call of the
 #: attribute, or a string constant that is no docstring, counts as a read.
-FACT_CALLS = {"sched_getaffinity": HERE, "cpu_affinity": HERE}
+FACT_CALLS = {"sched_getaffinity": HERE, "cpu_affinity": HERE, "gethostname": HERE}
 FACT_STRINGS = {"/proc/self/ns": HERE, "boot_id": HERE}
 
 #: Names each defined once, at the top of their owner, and imported from the owner, never from a
 #: module that re-exports them.
 OWNERS = {
-    "allowed_cpus": HERE, "host_identity": HERE, "machine_of": HERE, "pid_alive": HERE,
+    "allowed_cpus": HERE, "hostname": HERE, "host_identity": HERE, "machine_of": HERE, "pid_alive": HERE,
     "pid_namespace": HERE,
     "HostRecord": "cpuddp.launchers.hosts", "parse_record": "cpuddp.launchers.hosts",
     "BenchConfig": "cpuddp.bench.config",

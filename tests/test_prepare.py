@@ -16,6 +16,7 @@ from cpuddp.train import optim as prepare_optim
 from cpuddp.train import precision as prepare_precision
 from cpuddp.errors import PrepareError
 from cpuddp.train.comm import bf16_allreduce_hook
+from cpuddp.train.distribute import ddp_kwargs
 from cpuddp.train.precision import decide_precision
 from cpuddp.train.prepare import prepare, prepared_info, unwrap
 
@@ -207,10 +208,10 @@ def test_check_bare_cpu_module_step():
 def test_ddp_kwargs_step():
     base = dict(static_graph=False, find_unused_parameters=False, process_group=None,
                 broadcast_buffers=None, bucket_cap_mb=None, ddp_kwargs={})
-    kw = prepare_mod._ddp_kwargs(base)
+    kw = ddp_kwargs(base)
     assert kw == dict(device_ids=None, gradient_as_bucket_view=True, static_graph=False,
                       find_unused_parameters=False, process_group=None)  # no broadcast_buffers unless given
-    kw = prepare_mod._ddp_kwargs({**base, "broadcast_buffers": False, "bucket_cap_mb": 4,
+    kw = ddp_kwargs({**base, "broadcast_buffers": False, "bucket_cap_mb": 4,
                                   "ddp_kwargs": {"gradient_as_bucket_view": False}})
     assert kw["broadcast_buffers"] is False and kw["bucket_cap_mb"] == 4
     assert kw["gradient_as_bucket_view"] is False  # the user's ddp_kwargs win

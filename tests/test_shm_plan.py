@@ -76,13 +76,13 @@ def test_a_malformed_record_is_the_shm_set_ups_error_naming_its_key(raw, what):
 
 
 def test_pid_alive_counts_a_zombie_as_dead():
-    """The one pid check the shm wait loop and the watchdog share (cpuddp.launchers.hosts.pid_alive)."""
+    """The one pid check the shm wait loop and the watchdog share (cpuddp.topology.here.pid_alive)."""
     import os
     import subprocess
     import sys
     import time
 
-    from cpuddp.launchers.hosts import pid_alive
+    from cpuddp.topology.here import pid_alive
 
     assert pid_alive(os.getpid())
     child = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from cpuddp.errors import RendezvousError
-from cpuddp.launchers.hosts import host_identity, machine_of
+from cpuddp.topology.here import host_identity, machine_of
 from cpuddp.watchdog.store import parse_counter, parse_failed, parse_info, parse_ranks
 from cpuddp.watchdog.verdict import (
     HeartbeatClock,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -50,12 +49,14 @@ def _init(backend: str, timeout: float, pin: bool) -> Any:
     """Form the process group with :func:`cpuddp.init_distributed`; return its DistEnv."""
     import torch.distributed as dist
 
-    from cpuddp.distributed import init_distributed
+    from cpuddp.distributed import get_session, init_distributed
 
     env = init_distributed(backend, timeout=min(timeout, 300.0), pin=pin)
     if not dist.is_initialized():
         # A single process with no launcher: a world of one still runs the collectives.
-        dist.init_process_group(env.backend or "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        session = get_session()
+        dist.init_process_group((session.backend if session else None) or "gloo", store=dist.HashStore(),
+                                rank=0, world_size=1)
     return env
 
 
@@ -79,15 +80,18 @@ def _meta(cfg: BenchConfig, env: Any, n: int) -> dict[str, Any]:
 
     from cpuddp._compat import versions
 
+    from cpuddp.distributed import get_session
+
     infos = exchange_json(_rank_info())
-    plan = getattr(env, "pin_plan", None) if env is not None else None
+    session = get_session()  # what init chose: the backend, the pin plan
+    plan = session.pin_plan if session is not None else None
     ceiling = None
     if cfg.ceiling:
         if dist.get_rank() == 0:
             ceiling = measure_copy_bandwidth(cfg.ceiling_size)
         dist.barrier()
     backend = str(dist.get_backend())
-    chosen = getattr(env, "backend", None) if env is not None else None
+    chosen = session.backend if session is not None else None
     return {
         "collective": cfg.collective, "nranks": n,
         "nodes": len({i["host_id"] for i in infos}),  # hostname, boot and network namespace
@@ -379,7 +383,7 @@ def _rank_info() -> dict[str, Any]:
     from cpuddp.topology import here
 
     cpus = list(here.allowed_cpus())
-    return {"host": socket.gethostname(), "host_id": here.host_identity(), "pid": os.getpid(), "cpus": format_cpulist(cpus),
+    return {"host": here.hostname(), "host_id": here.host_identity(), "pid": os.getpid(), "cpus": format_cpulist(cpus),
             "torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS")}
 
 

@@ -15,6 +15,7 @@ import threading
 from typing import Any, Callable, Mapping, Optional
 
 from cpuddp._compat import torch_pairing
+from cpuddp.topology import here
 
 #: torch.distributed's built-in backends: probing them means importing torch (about 2 s).
 _TORCH_BUILTINS = ("gloo", "mpi", "nccl")
@@ -216,7 +217,7 @@ def _gloo_ifname(env: Any, environ: Mapping[str, str], timeout: float = 0.5) -> 
 
 def _resolve_host(timeout: float = 0.5) -> dict[str, Any]:
     """This host's name and the addresses it resolves to (bounded: a slow DNS is reported, not waited on)."""
-    name = socket.gethostname()
+    name = here.hostname()
     result: dict[str, Any] = {"name": name, "addresses": [], "error": None}
 
     def work() -> None:
@@ -254,7 +255,7 @@ def _job(topo: Any, environ: Mapping[str, str], ranks: Optional[int], probe_torc
     env = DistEnv(world_size=plan.world_size, local_world_size=plan.ranks_per_node, launcher="torchrun",
                   agent_store=True)
     out: dict[str, Any] = {"available": True, "ranks": ranks, "plan": plan.as_dict(),
-                           "table": plan_table(plan, [socket.gethostname()]),
+                           "table": plan_table(plan, [here.hostname()]),
                            "command": "cpuddp run " + (f"--ranks-per-node {ranks} " if ranks else "") + "script.py"}
     try:
         choice = backends.resolve_backend("auto", env, node_cpus=len(topo.usable) or None,

@@ -23,8 +23,9 @@ Nothing here parses prose: the planner's warnings arrive as records (``PinPlan.a
 
 from __future__ import annotations
 
-import socket
 from typing import Any, Mapping, Optional, Sequence
+
+from cpuddp.topology import here
 
 __all__ = ["diagnose", "version_warnings"]
 
@@ -157,7 +158,7 @@ def _network_warnings(env: Mapping[str, Any], environ: Mapping[str, str], host: 
     out: list[dict[str, str]] = []
     nodes = int(env["num_nodes"])
     addrs = list((host or {}).get("addresses") or [])
-    name = (host or {}).get("name") or socket.gethostname()
+    name = (host or {}).get("name") or here.hostname()
     if addrs and all(is_loopback(a) for a in addrs) and not environ.get("GLOO_SOCKET_IFNAME") and not gloo_ifname:
         out.append(_warn(
             "hostname-loopback",

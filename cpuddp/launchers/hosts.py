@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from cpuddp.errors import RendezvousError
-from cpuddp.topology.here import allowed_cpus, host_identity, machine_of, pid_alive, pid_namespace  # noqa: F401 (re-exported)
+from cpuddp.topology.here import allowed_cpus, host_identity, pid_namespace
 
 from . import store_values
 from .env import DistEnv, Provenance, Source

@@ -29,6 +29,7 @@ import time
 from typing import Any, NamedTuple, Optional
 
 from cpuddp.errors import LauncherEnvError, RendezvousError, first_line
+from cpuddp.topology import here
 
 from .env import DistEnv
 from .parsers import is_loopback
@@ -249,7 +250,7 @@ def job_key(env: DistEnv) -> str:
         # proxy process: its pid tells two concurrent jobs on this machine apart.
         proxy = _launcher_proxy_pid()
         if proxy is not None:
-            job = f"proxy={proxy}@{socket.gethostname()}"
+            job = f"proxy={proxy}@{here.hostname()}"
     key = f"{job or 'nojobid'}/w{env.world_size}"
     if len(key) > 256 or not key.isprintable():  # what job_key_value accepts, whatever the launcher said
         key = "sha256:" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
@@ -303,7 +304,7 @@ def local_address() -> str:
     /etc/hosts setup), else the first non-loopback IPv4 address of an interface that is up,
     else the first global IPv6 one (an IPv6-only host)."""
     with contextlib.suppress(OSError):
-        for info in socket.getaddrinfo(socket.gethostname(), None, type=socket.SOCK_STREAM):
+        for info in socket.getaddrinfo(here.hostname(), None, type=socket.SOCK_STREAM):
             addr = str(info[4][0])
             if not is_loopback(addr) and "%" not in addr:
                 return addr

@@ -35,6 +35,7 @@ import sys
 from typing import Mapping, Optional, Sequence
 
 from cpuddp.topology.model import Topology, synthetic_topology
+from cpuddp.topology import here
 from cpuddp.topology.read import read_topology
 
 from .hosts import HostEntry, parse_hostfile, parse_hosts_option, ranks_from_slots
@@ -179,7 +180,7 @@ def check_hosts(hosts: Sequence[str], resolve=socket.getaddrinfo, connect=socket
     """Each host resolves; each that is not this machine answers on the ssh port."""
     from cpuddp.launchers.parsers import is_loopback
 
-    me = {socket.gethostname(), socket.gethostname().split(".")[0]}
+    me = {here.hostname(), here.hostname().split(".")[0]}
     for host in hosts:
         try:
             addr = resolve(host, None)[0][4][0]
@@ -233,7 +234,7 @@ def prepare_job(cfg: RunConfig, environ: Mapping[str, str]) -> tuple[RunPlan, La
         launch = srun_command(plan, cfg.script, cfg.script_args, settings=settings, threads_per_core=tpc)
     else:
         launch = torchrun_command(plan, cfg.script, cfg.script_args, max_restarts=cfg.max_restarts, settings=settings)
-    names = hosts or ([f"slurm node {i}" for i in range(nodes)] if in_slurm else [socket.gethostname()])
+    names = hosts or ([f"slurm node {i}" for i in range(nodes)] if in_slurm else [here.hostname()])
     return plan, launch, names, notes
 
 

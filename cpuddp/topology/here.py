@@ -1,6 +1,7 @@
 """This process, on this node: the facts the kernel gives about the running process.
 
 - :func:`allowed_cpus`: the CPUs this process may run on now (its affinity mask).
+- :func:`hostname`: this host's name, as the kernel gives it.
 - :func:`host_identity` and :func:`machine_of`: what tells hosts apart (hostname, boot id,
   Linux namespaces), and the machine part of such an identity.
 - :func:`namespace_id` and :func:`pid_namespace`: the inode of one of this process's Linux
@@ -17,7 +18,7 @@ import contextlib
 import os
 import socket
 
-__all__ = ["allowed_cpus", "namespace_id", "pid_namespace", "host_identity", "machine_of", "pid_alive"]
+__all__ = ["allowed_cpus", "hostname", "namespace_id", "pid_namespace", "host_identity", "machine_of", "pid_alive"]
 
 
 def allowed_cpus(*, ask_psutil: bool = False) -> tuple[int, ...]:
@@ -37,6 +38,11 @@ def allowed_cpus(*, ask_psutil: bool = False) -> tuple[int, ...]:
     return ()
 
 
+def hostname() -> str:
+    """This host's name (``socket.gethostname()``)."""
+    return socket.gethostname()
+
+
 def namespace_id(ns: str) -> str:
     """The inode number of this process's Linux namespace ``ns`` ("net", "pid", ...) as text,
     "" when unreadable."""
@@ -54,7 +60,7 @@ def host_identity(namespaces: tuple[str, ...] = ("net",)) -> str:
     """What distinguishes hosts: hostname, boot id and the given Linux namespaces (the
     network namespace by default; the watchdog adds "pid": two processes with the same
     identity then see each other's PIDs)."""
-    parts = [socket.gethostname(), ""]  # a field each, empty when unreadable: machine_of reads field 2
+    parts = [hostname(), ""]  # a field each, empty when unreadable: machine_of reads field 2
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
         parts[1] = f.read().strip()
     parts.extend(namespace_id(ns) for ns in namespaces)

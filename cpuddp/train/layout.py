@@ -13,7 +13,6 @@ module imports torch only inside :func:`gather_places`.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from typing import Any, Optional
 
@@ -40,7 +39,7 @@ def _cpus() -> tuple[int, ...]:
 
 def local_place(rank: Optional[int] = None) -> RankPlace:
     """This process: its rank, host, CPUs and threads."""
-    return RankPlace(get_rank() if rank is None else rank, socket.gethostname(), _cpus(), _threads())
+    return RankPlace(get_rank() if rank is None else rank, here.hostname(), _cpus(), _threads())
 
 
 def gather_places(group: Any = None) -> list[RankPlace]:

@@ -76,7 +76,6 @@ from cpuddp.errors import PrepareError
 
 from .comm import bf16_allreduce_hook, bf16_allreduce_supported, check_comm_hook
 from .distribute import compile_model, distribute
-from .distribute import ddp_kwargs as _ddp_kwargs  # noqa: F401  (the DDP-kwargs step, read here by test_prepare)
 from .optim import fuse_optimizer, ipex_optimize
 from .precision import cpu_bf16_support, decide_precision
 from .precision_trial import add_precision_hooks

@@ -54,14 +54,13 @@ import contextlib
 import dataclasses
 import logging
 import os
-import socket
 import sys
 import threading
 import time
 from typing import Any, Callable, Optional
 
 from cpuddp.errors import RendezvousError, first_line
-from cpuddp.topology.here import host_identity, pid_alive
+from cpuddp.topology import here
 
 from .store import StoreClient
 from .verdict import (
@@ -179,7 +178,7 @@ class _Watchdog:
         self.agent_store = bool(getattr(env, "agent_store", False))
         self.is_store_host = self.rank == 0 and not self.agent_store
         self.store = StoreClient(store, env.master_addr, env.master_port, OP_TIMEOUT, self.world)
-        self.identity = host_identity(("net", "pid"))
+        self.identity = here.host_identity(("net", "pid"))
         self.stopping = threading.Event()
         self.store_lost: Optional[str] = None
         self.thread: Optional[threading.Thread] = None
@@ -210,7 +209,7 @@ class _Watchdog:
 
     def begin(self) -> None:
         self.store.beat(self.rank)
-        self.store.announce(self.rank, os.getpid(), socket.gethostname(), self.identity)
+        self.store.announce(self.rank, os.getpid(), here.hostname(), self.identity)
         self.thread = threading.Thread(target=self._beat, name="cpuddp-watchdog", daemon=True)
         self.thread.start()
         self._install_hooks()
@@ -260,7 +259,7 @@ class _Watchdog:
 
     def _exited(self, info: dict[int, PeerInfo]) -> frozenset[int]:
         """The ranks on this host whose process is gone (their pids are visible here)."""
-        return frozenset(r for r in local_ranks(info, self.identity, self.rank) if not pid_alive(info[r].pid))
+        return frozenset(r for r in local_ranks(info, self.identity, self.rank) if not here.pid_alive(info[r].pid))
 
     def _linger(self) -> None:
         """Keep the store up until every rank has left, failed or died, or those left have not

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import cpuddp.backends.shm.handover as handover
 import cpuddp.shm  # noqa: F401  -- registers "shm" with torch.distributed
-from cpuddp.backends.shm.node import pid_namespace
+from cpuddp.topology.here import pid_namespace
 
 mode, outdir = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])

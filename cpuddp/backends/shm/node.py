@@ -20,7 +20,6 @@ from typing import Iterator, Optional, Sequence, Tuple
 
 from cpuddp.errors import BackendError, RendezvousError
 from cpuddp.launchers.hosts import HostRecord, layout, parse_record
-from cpuddp.topology.here import pid_namespace  # noqa: F401 (re-exported)
 
 __all__ = ["NodePlan", "whoami", "parse_who", "plan_node", "check_local_size"]
 
