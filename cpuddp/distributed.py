@@ -160,13 +160,6 @@ class _Process:
 _state = _Process()
 
 
-def __getattr__(name: str) -> Any:
-    """``distributed._abandoned``: the teardown that did not return (None when none)."""
-    if name == "_abandoned":
-        return _state.abandoned
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def get_env() -> Optional[DistEnv]:
     """The :class:`DistEnv` of the current process group, or None before :func:`init_distributed`."""
     return None if _state.current is None else _state.current.env
@@ -369,8 +362,6 @@ def _pin(plan: Optional["PinPlan"], before: frozenset[int], undo: _Undo) -> None
 
     undo.pin_state = affinity.apply_plan(plan, os.environ, threads=before)
 
-
-_agree_backend = forming.agree_backend  # step 4 (tests call it by this name)
 
 _LAYOUT_SOURCE = Provenance.derived("hosts gathered at init")
 

@@ -135,7 +135,7 @@ def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes(monkeypatch):
     import torch.distributed as dist
 
     from cpuddp.backends import registry as backends
-    from cpuddp.distributed import _agree_backend
+    from cpuddp.backends.forming import agree_backend
 
     def pick(requested, env, **kw):
         return BackendChoice("shm", "auto: test", "cpuddp.shm", "auto", inter="ccl")
@@ -146,9 +146,9 @@ def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes(monkeypatch):
     store = dist.HashStore()
     store.set("b/1", "shm")
     store.set("b/inter/1", "gloo")  # rank 1's node has no working bindings
-    choice = _agree_backend("auto", env, store, "b", td, {})
+    choice = agree_backend("auto", env, store, "b", td, {})
     assert (choice.name, choice.inter) == ("shm", "gloo") and "not every rank has working oneCCL" in choice.reason
     store = dist.HashStore()
     store.set("c/1", "shm")
     store.set("c/inter/1", "ccl")
-    assert _agree_backend("auto", env, store, "c", td, {}).inter == "ccl"
+    assert agree_backend("auto", env, store, "c", td, {}).inter == "ccl"

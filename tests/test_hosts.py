@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from cpuddp.affinity import pin as affinity
 from cpuddp.launchers import hosts
-from cpuddp.distributed import _agree_backend
+from cpuddp.backends.forming import agree_backend
 from cpuddp.launchers.env import DistEnv
 from cpuddp.errors import BackendError, RendezvousError
 from cpuddp.topology import synthetic_topology
@@ -101,8 +101,8 @@ def test_ranks_whose_auto_choices_differ_all_take_gloo(monkeypatch):
 
     monkeypatch.setattr(backends, "resolve_backend", pick)
     env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
-    choice = _agree_backend("auto", env, store, "b", TD, {})
+    choice = agree_backend("auto", env, store, "b", TD, {})
     assert choice.name == "gloo" and "rank 0: shm, rank 1: gloo" in choice.reason
     store.set("c/1", "gloo")
     with pytest.raises(BackendError, match="different backends"):
-        _agree_backend("shm", env, store, "c", TD, {})
+        agree_backend("shm", env, store, "c", TD, {})

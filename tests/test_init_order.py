@@ -85,5 +85,5 @@ def test_a_group_whose_teardown_hung_is_refused_not_adopted(monkeypatch):
         while dist.is_initialized() and time.monotonic() < deadline:
             time.sleep(0.05)
     env = cpuddp.init_distributed(environ={}, pin=False)  # the old group is gone: a new one forms
-    assert env.world_size == 1 and distributed._abandoned is None
+    assert env.world_size == 1 and distributed._state.abandoned is None
     cpuddp.shutdown()

@@ -218,10 +218,13 @@ FACT_STRINGS = {"/proc/self/ns": HERE, "boot_id": HERE}
 #: Names each defined once, at the top of their owner, and imported from the owner, never from a
 #: module that re-exports them.
 OWNERS = {
-    "allowed_cpus": HERE, "hostname": HERE, "host_identity": HERE, "machine_of": HERE, "pid_alive": HERE,
-    "pid_namespace": HERE,
+    "allowed_cpus": HERE, "hostname": HERE, "host_identity": HERE, "hostname_of": HERE, "machine_of": HERE,
+    "pid_alive": HERE, "pid_namespace": HERE, "namespace_id": HERE,
     "HostRecord": "cpuddp.launchers.hosts", "parse_record": "cpuddp.launchers.hosts",
-    "BenchConfig": "cpuddp.bench.config",
+    "STORE_FIX": "cpuddp.launchers.store_values",
+    "agree_backend": "cpuddp.backends.forming", "agree_inter": "cpuddp.backends.forming",
+    "BenchConfig": "cpuddp.bench.config", "RunConfig": "cpuddp.run.command",
+    "DoctorConfig": "cpuddp.doctor.command",
 }
 
 #: The command-line edges: only they parse arguments; below them a typed config travels.
@@ -248,6 +251,9 @@ def _fact_readers(sources: dict[str, str]) -> list[str]:
                 owner = FACT_CALLS.get(node.func.attr)
                 if owner and module != owner:
                     wrong.append(f"{module}:{node.lineno} calls {node.func.attr} (owner: {owner})")
+                if (node.func.attr == "kill" and len(node.args) == 2 and isinstance(node.args[1], ast.Constant)
+                        and node.args[1].value == 0 and module != HERE):
+                    wrong.append(f"{module}:{node.lineno} asks whether a pid is alive (owner: {HERE}.pid_alive)")
             elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
                 for text, owner in FACT_STRINGS.items():
                     if text in node.value and module != owner:
@@ -406,9 +412,10 @@ def test_readers_name_each_variable_once():
 
 
 def _argparse_users(sources: dict[str, str]) -> list[str]:
-    return sorted(m for m, s in sources.items() for n in ast.walk(ast.parse(s))
-                  if isinstance(n, ast.Import) and any(a.name == "argparse" for a in n.names)
-                  and m not in ARGPARSE_EDGES)
+    return sorted({m for m, s in sources.items() for n in ast.walk(ast.parse(s))
+                   if ((isinstance(n, ast.Import) and any(a.name == "argparse" for a in n.names))
+                       or (isinstance(n, ast.ImportFrom) and n.module == "argparse"))
+                   and m not in ARGPARSE_EDGES})
 
 
 def test_only_the_command_line_edges_parse_arguments():
@@ -425,13 +432,15 @@ def test_the_owner_checks_can_fail():
             "from ..affinity.pin import _set_affinity\n"
             "from .. import affinity\n"
             "def allowed_cpus():\n    global X\n    return os.sched_getaffinity(0), open('/proc/self/ns/pid')\n"
+            "os.kill(1, 0)\n"
             "affinity._secret()\n"
             "from ..launchers import hosts\nhosts.pid_alive(1)\n"
         ),
         "cpuddp.launchers.readers": 'out.sources.update(rank="RANK")\nout.sources["x"] = v.first("A_B") or ""\n',
         "cpuddp.distributed": "def f():\n    global _current\n",
+        "cpuddp.run.made_up": "from argparse import Namespace\n",
     }
-    assert len(_fact_readers(made_up)) == 2
+    assert len(_fact_readers(made_up)) == 3
     assert any("allowed_cpus is defined in" in w for w in _owner_breaches({**SOURCES, **made_up}))
     assert any("imports allowed_cpus from cpuddp.launchers.hosts" in w for w in _owner_breaches(made_up))
     assert any("reads cpuddp.launchers.hosts.pid_alive" in w for w in _owner_breaches(made_up))
@@ -439,4 +448,4 @@ def test_the_owner_checks_can_fail():
     assert _oversized(made_up, module_limit=3, function_limit=2)
     assert _globals(made_up) and _globals(made_up, "cpuddp.train.made_up")
     assert len(_names_written_twice(made_up)) == 2
-    assert _argparse_users(made_up) == ["cpuddp.train.made_up"]
+    assert _argparse_users(made_up) == ["cpuddp.run.made_up", "cpuddp.train.made_up"]

@@ -370,7 +370,8 @@ class _Recorder:
 
 
 def _with_cpu_bf16(monkeypatch, ok: bool) -> None:
-    monkeypatch.setattr(prepare_mod, "cpu_bf16_support", lambda: (ok, "test CPU"))
+    for owner in (prepare_mod, prepare_precision):  # prepare's step, and the loop's autocast
+        monkeypatch.setattr(owner, "cpu_bf16_support", lambda: (ok, "test CPU"))
 
 
 def test_bf16_forward_runs_under_autocast_with_fp32_outputs(monkeypatch):

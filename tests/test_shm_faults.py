@@ -360,7 +360,7 @@ def _attack_once(run: Path, uid: int, forge_who: bool) -> tuple:
 def test_another_local_user_can_make_a_job_fail_but_never_read_or_change_its_data(forge_who):
     """The issue-28 attack and more: the other user rewrites the store's offers, every gloo address
     key a group of the job could use (pointing at a relay it runs), and -- ``forge_who`` -- rank 1's
-    host line, so the ranks would think they share no node and talk over gloo.  No tensor may
+    host record, so the ranks would think they share no node and talk over gloo.  No tensor may
     reach the relay, no result may be wrong, the segment may not leak; a job may fail, naming why."""
     import tempfile
 

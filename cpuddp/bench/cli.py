@@ -74,7 +74,7 @@ from cpuddp._units import parse_size
 from .config import BenchConfig, parse_backends
 from .sweep import ALIASES, COLLECTIVES, DTYPES, EXIT_ERROR, EXIT_USAGE, sweep_sizes
 
-__all__ = ["add_arguments", "parse_backends", "run", "main"]
+__all__ = ["add_arguments", "run", "main"]
 
 
 def _size_arg(text: str) -> int:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from cpuddp.errors import RendezvousError
-from cpuddp.topology.here import allowed_cpus, host_identity, pid_namespace
+from cpuddp.topology.here import allowed_cpus, host_identity, hostname_of, pid_namespace
 
 from . import store_values
 from .env import DistEnv, Provenance, Source
@@ -90,7 +90,7 @@ class HostRecord:
 
     @property
     def hostname(self) -> str:
-        return self.host.split("|", 1)[0]
+        return hostname_of(self.host)
 
 
 @dataclass(frozen=True)
@@ -312,8 +312,7 @@ def apply_layout(env: DistEnv, lay: Layout, source: Provenance) -> DistEnv:
         raise RendezvousError(
             f"rank {env.rank}: {var}={said} says {said} ranks run on this node, but the host records in the "
             f"rendezvous store show {lay.local_world_size}: something else writes to this job's store",
-            fix="give the job a store only it uses (its own MASTER_PORT), and see docs/security.md; if the launcher "
-                f"is wrong, fix {var}")
+            fix=f"{store_values.STORE_FIX}; if the launcher is wrong, fix {var}")
     found = {"local_rank": lay.local_rank, "local_world_size": lay.local_world_size,
              "node_rank": lay.node_rank, "num_nodes": lay.num_nodes}
     changes = {k: v for k, v in found.items() if getattr(env, k) != v}

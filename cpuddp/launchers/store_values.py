@@ -19,7 +19,7 @@ from typing import Any, Optional
 from cpuddp.errors import RendezvousError
 
 __all__ = [
-    "MAX_VALUE", "MAX_HOST", "MAX_CPU", "MAX_PID", "text_value", "shown",
+    "MAX_VALUE", "MAX_HOST", "MAX_CPU", "MAX_PID", "STORE_FIX", "text_value", "shown",
     "bad_value", "int_field", "backend_name", "job_key_value", "json_object",
 ]
 
@@ -31,6 +31,8 @@ MAX_HOST = 4096
 MAX_CPU = 1 << 16
 #: PIDs are below this (Linux's pid_max is at most 2**22).
 MAX_PID = 1 << 22
+#: The fix for a store that something else writes to (docs/security.md).
+STORE_FIX = "give the job a store only it uses (its own MASTER_PORT), and see docs/security.md"
 #: register_backend's rule for a backend name, and the longest accepted.
 _BACKEND = re.compile(r"\A[a-z][a-z0-9_]{0,63}\Z")
 

@@ -34,8 +34,8 @@ import subprocess
 import sys
 from typing import Mapping, Optional, Sequence
 
-from cpuddp.topology.model import Topology, synthetic_topology
 from cpuddp.topology import here
+from cpuddp.topology.model import Topology, synthetic_topology
 from cpuddp.topology.read import read_topology
 
 from .hosts import HostEntry, parse_hostfile, parse_hosts_option, ranks_from_slots

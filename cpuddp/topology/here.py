@@ -2,8 +2,8 @@
 
 - :func:`allowed_cpus`: the CPUs this process may run on now (its affinity mask).
 - :func:`hostname`: this host's name, as the kernel gives it.
-- :func:`host_identity` and :func:`machine_of`: what tells hosts apart (hostname, boot id,
-  Linux namespaces), and the machine part of such an identity.
+- :func:`host_identity`, :func:`hostname_of` and :func:`machine_of`: what tells hosts apart
+  (hostname, boot id, Linux namespaces), and the host and machine parts of such an identity.
 - :func:`namespace_id` and :func:`pid_namespace`: the inode of one of this process's Linux
   namespaces.
 - :func:`pid_alive`: whether a pid of this PID namespace is a live, non-zombie process.
@@ -18,7 +18,7 @@ import contextlib
 import os
 import socket
 
-__all__ = ["allowed_cpus", "hostname", "namespace_id", "pid_namespace", "host_identity", "machine_of", "pid_alive"]
+__all__ = ["allowed_cpus", "hostname", "namespace_id", "pid_namespace", "host_identity", "hostname_of", "machine_of", "pid_alive"]
 
 
 def allowed_cpus(*, ask_psutil: bool = False) -> tuple[int, ...]:
@@ -65,6 +65,11 @@ def host_identity(namespaces: tuple[str, ...] = ("net",)) -> str:
         parts[1] = f.read().strip()
     parts.extend(namespace_id(ns) for ns in namespaces)
     return "|".join(parts)
+
+
+def hostname_of(identity: str) -> str:
+    """The hostname part of a :func:`host_identity` (pure)."""
+    return identity.split("|", 1)[0]
 
 
 def machine_of(identity: str) -> str:

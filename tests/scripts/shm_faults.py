@@ -9,7 +9,7 @@ hosts the TCPStore); writes ``OUTDIR/rank<r>.json``.  Modes:
   rank 0: rank 0's init must fail within seconds, naming the death.
 * ``attacked``: form the group, then DDP's initial broadcast, a broadcast, an all_gather, a
   barrier and 200 allreduces, each checked, while another local user
-  (tests/scripts/shm_intruder.py) writes false offers, gloo addresses and host lines into the
+  (tests/scripts/shm_intruder.py) writes false offers, gloo addresses and host records into the
   store and knocks on the hand-over socket; each rank reports what it got or the error it raised.
 """
 

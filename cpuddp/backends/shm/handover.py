@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from cpuddp.errors import BackendError
+from cpuddp.launchers.store_values import STORE_FIX
 from cpuddp.topology.here import pid_alive
 
 from . import check as shm_check
@@ -45,7 +46,6 @@ __all__ = ["map_segment", "parse_offer", "HELLO_WITHIN"]
 log = logging.getLogger("cpuddp.shm")
 
 _PEER_FIX = "the fix is in that rank's own error (and docs/security.md if another user is named)"
-_STORE_FIX = "give the job a store only it uses (its own MASTER_PORT), and see docs/security.md"
 _SOCK_RE = re.compile(r"^[0-9a-f]{32}$")
 _SOCK_PREFIX = b"\0cpuddp-shm-"
 _MAX_SLOT = 1 << 30
@@ -85,7 +85,7 @@ def parse_offer(raw: bytes, key: str) -> Tuple[str, int, int]:
         ok = False
     if not ok:
         raise BackendError(f"store key {key} holds {raw[:100]!r}, not local rank 0's shared-memory offer",
-                           fix=_STORE_FIX)
+                           fix=STORE_FIX)
     return name, token, slot
 
 

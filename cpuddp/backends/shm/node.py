@@ -20,10 +20,10 @@ from typing import Iterator, Optional, Sequence, Tuple
 
 from cpuddp.errors import BackendError, RendezvousError
 from cpuddp.launchers.hosts import HostRecord, layout, parse_record
+from cpuddp.launchers.store_values import STORE_FIX
 
 __all__ = ["NodePlan", "whoami", "parse_who", "plan_node", "check_local_size"]
 
-_STORE_FIX = "give the job a store only it uses (its own MASTER_PORT), and see docs/security.md"
 
 
 @contextlib.contextmanager
@@ -104,4 +104,4 @@ def check_local_size(plan: NodePlan, expected: Optional[int], rank: int) -> None
         raise BackendError(
             f"rank {rank}: the launcher says {expected} ranks run on this node, but the rendezvous store "
             f"shows {plan.local_size} ({list(plan.local)}): something else writes to this job's store; "
-            "refusing to send this node's collectives anywhere but shared memory", fix=_STORE_FIX)
+            "refusing to send this node's collectives anywhere but shared memory", fix=STORE_FIX)
