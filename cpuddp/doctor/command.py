@@ -183,13 +183,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class DoctorConfig:
-    """The options of ``cpuddp doctor`` (:func:`add_arguments`), typed and frozen."""
+    """The options of ``cpuddp doctor`` (:func:`add_arguments`, which holds their defaults),
+    typed and frozen."""
 
-    json: bool = False
-    strict: bool = False
-    probe_torch: bool = False
-    ranks: Optional[int] = None
-    all_ranks: bool = False
+    json: bool
+    strict: bool
+    probe_torch: bool
+    ranks: Optional[int]
+    all_ranks: bool
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> DoctorConfig:

@@ -73,21 +73,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """The options of ``cpuddp run`` (:func:`add_arguments`), typed and frozen; the defaults are
-    the command line's.  ``script_args`` are the script's own arguments."""
+    """The options of ``cpuddp run`` (:func:`add_arguments`, which holds their defaults), typed
+    and frozen.  ``script_args`` are the script's own arguments."""
 
     script: str
-    script_args: tuple[str, ...] = ()
-    ranks_per_node: Optional[int] = None
-    cores_per_rank: Optional[int] = None
-    hosts: Optional[str] = None
-    hostfile: Optional[str] = None
-    launcher: Optional[str] = None
-    no_host_check: bool = False
-    max_restarts: int = 0
-    allocator: str = DEFAULTS["allocator"]
-    omp: str = DEFAULTS["omp"]
-    dry_run: bool = False
+    script_args: tuple[str, ...]
+    ranks_per_node: Optional[int]
+    cores_per_rank: Optional[int]
+    hosts: Optional[str]
+    hostfile: Optional[str]
+    launcher: Optional[str]
+    no_host_check: bool
+    max_restarts: int
+    allocator: str
+    omp: str
+    dry_run: bool
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> RunConfig:
@@ -180,7 +180,8 @@ def check_hosts(hosts: Sequence[str], resolve=socket.getaddrinfo, connect=socket
     """Each host resolves; each that is not this machine answers on the ssh port."""
     from cpuddp.launchers.parsers import is_loopback
 
-    me = {here.hostname(), here.hostname().split(".")[0]}
+    name = here.hostname()
+    me = {name, name.split(".")[0]}
     for host in hosts:
         try:
             addr = resolve(host, None)[0][4][0]
