@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Optional
 
 from cpuddp.backends import forming
-from cpuddp.launchers import hosts
+from cpuddp.launchers import hosts, proof
 from cpuddp.launchers.env import DistEnv, Provenance
 from cpuddp.launchers.exports import DEFAULT_TIMEOUT, Exports, Timeout
 from cpuddp.launchers.exports import configure_logging as _configure_logging
@@ -289,9 +289,8 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
     wide = here.allowed_cpus() or None  # where communication threads may run
     store = _meet(env, td, environ, undo)
     step = f"cpuddp/init{undo.generation}"
-    said_local = hosts.launcher_local_size(env)  # before the hosts gathered replace it
     try:
-        env, local_cpus = _gather_layout(env, store, f"{step}/host", td)
+        env, local_cpus = _gather_layout(env, store, step, td)
         choice = forming.agree_backend(backend, env, store, f"{step}/backend", td, environ, _node_cpus(local_cpus))
         plan = _plan(env, choice, pin, environ, local_cpus)
         _export(env, choice, plan, environ, undo)
@@ -301,11 +300,12 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
             hosts.exchange(store, f"{step}/ready", env.rank, env.world_size, "ok", td, what="ready")
     except BaseException as exc:
         if store is not None:
-            for name in ("host", "backend", "ready"):
+            for name in ("host", "proof", "backend", "ready"):
                 hosts.publish_error(store, f"{step}/{name}", env.rank, exc)
         raise
     with affinity.thread_affinity(wide):
-        forming.form_group(env, choice.name, store, td, forming.group_options(choice, plan, said_local))
+        # the ranks on this node as proved at init: a shm group refuses a store that later hides one
+        forming.form_group(env, choice.name, store, td, forming.group_options(choice, plan, env.local_world_size))
         forming.first_collective(env, choice.name)
         if store is not None:
             from cpuddp.watchdog import monitor as watchdog
@@ -366,18 +366,20 @@ def _pin(plan: Optional["PinPlan"], before: frozenset[int], undo: _Undo) -> None
 _LAYOUT_SOURCE = Provenance.derived("hosts gathered at init")
 
 
-def _gather_layout(env: DistEnv, store: Optional["Store"], name: str,
+def _gather_layout(env: DistEnv, store: Optional["Store"], step: str,
                    td: datetime.timedelta) -> tuple[DistEnv, Optional[tuple[frozenset[int], ...]]]:
-    """Step 3: gather every rank's host and CPUs; return ``env`` with the layout they show,
+    """Step 3: gather every rank's host and CPUs, and prove this host's records came from its
+    ranks (:func:`cpuddp.launchers.proof.prove_node`); return ``env`` with the layout they show,
     and the allowed CPU sets of the ranks on this host (local-rank order; None for a world of 1)."""
     if store is None:
         return env, None
     mine = hosts.HostRecord.here(env.rank, env.local_rank, env.local_world_size)
     where = f"{env.master_addr}:{env.master_port}"
     records = hosts.gather_hosts(
-        store, name, mine, env.world_size, td,
+        store, f"{step}/host", mine, env.world_size, td,
         missing_fix=lambda shown: f"{_size_var(env)}={env.world_size} but rank(s) {shown} never reached the "
         f"rendezvous at {where}: start them (check the launcher's rank count and their logs), or fix the world size")
+    proof.prove_node(store, f"{step}/proof", mine, records, env.world_size, td)
     lay = hosts.layout(records, env.rank)
     return hosts.apply_layout(env, lay, _LAYOUT_SOURCE), lay.local_cpus
 

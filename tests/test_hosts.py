@@ -87,7 +87,9 @@ def test_plan_stays_inside_disjoint_launcher_sets():
     assert plan.cpus == (4, 5, 6, 7)
 
 
-def test_ranks_whose_auto_choices_differ_all_take_gloo(monkeypatch):
+def test_ranks_whose_auto_choices_differ_stop_naming_each_choice_never_gloo(monkeypatch):
+    """A store value is never a reason to change backend: a rank that read another's choice as
+    gloo (a neighbour can write it: issue 35) stops, naming both choices."""
     from cpuddp.backends import registry as backends
 
     store = dist.HashStore()
@@ -101,8 +103,10 @@ def test_ranks_whose_auto_choices_differ_all_take_gloo(monkeypatch):
 
     monkeypatch.setattr(backends, "resolve_backend", pick)
     env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
-    choice = agree_backend("auto", env, store, "b", TD, {})
-    assert choice.name == "gloo" and "rank 0: shm, rank 1: gloo" in choice.reason
+    with pytest.raises(BackendError, match=r"rank 0: the ranks' backend choices differ: rank 0: shm, rank 1: gloo; "
+                       r"1 rank\(s\) differ from this rank's 'shm'") as err:
+        agree_backend("auto", env, store, "b", TD, {})
+    assert "writes to its rendezvous store" in err.value.fix and "backend='gloo'" in err.value.fix
     store.set("c/1", "gloo")
-    with pytest.raises(BackendError, match="different backends"):
+    with pytest.raises(BackendError, match=r"choices differ \(backend='shm' on this rank\): rank 0: shm, rank 1: gloo"):
         agree_backend("shm", env, store, "c", TD, {})

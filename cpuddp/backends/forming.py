@@ -36,23 +36,17 @@ log = logging.getLogger("cpuddp")
 def agree_backend(requested: str, env: "DistEnv", store: Optional["Store"], name: str, td: datetime.timedelta,
                   environ: Mapping[str, str], node_cpus: Optional[int] = None) -> "BackendChoice":
     """This rank's backend choice, checked against every other rank's through the store.
-    Under "auto", ranks that disagree (a binding on some nodes only) all take gloo."""
-    from cpuddp.launchers import hosts, store_values
 
+    Each rank keeps its own choice: what the store says of the others' can stop the job, never
+    change its backend.  Ranks that disagree -- under ``"auto"`` too -- are an error naming each
+    rank's choice (the store is unauthenticated: a neighbour who rewrote a rank's choice to
+    ``gloo`` would otherwise move the job onto sockets it can reach; docs/security.md)."""
     from . import registry as backends  # through the module: tests replace resolve_backend there
 
     choice = backends.resolve_backend(requested, env, environ=environ, node_cpus=node_cpus)
     if store is not None:
-        names = hosts.exchange(store, name, env.rank, env.world_size, choice.name, td, what="backend")
-        names = [store_values.backend_name(f"{name}/{r}", n) for r, n in enumerate(names)]
-        if len(set(names)) > 1:
-            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names))
-            if requested.strip().lower() != "auto":
-                raise BackendError(f"the ranks asked for different backends ({shown})",
-                                   fix="pass the same backend= on every rank")
-            gloo = backends.resolve_backend("gloo", env, environ=environ)
-            choice = dataclasses.replace(gloo, reason=f"auto: the ranks' choices differ ({shown}); gloo runs everywhere")
-        elif choice.inter is not None:  # every rank chose shm across the same nodes
+        _agree(env, store, name, td, choice.name, requested, "backend")
+        if choice.inter is not None:  # every rank chose shm across the same nodes
             choice = agree_inter(choice, env, store, f"{name}/inter", td)
     if env.is_main:
         log.info("cpuddp: backend %s (%s)", choice.name, choice.reason)
@@ -61,26 +55,56 @@ def agree_backend(requested: str, env: "DistEnv", store: Optional["Store"], name
 
 def agree_inter(choice: "BackendChoice", env: "DistEnv", store: "Store", name: str,
                 td: datetime.timedelta) -> "BackendChoice":
-    """shm's node-to-node leg: oneCCL only when every rank has working bindings, else gloo."""
+    """shm's node-to-node leg: oneCCL only when every rank has working bindings, else gloo (a
+    warning names each rank's leg).  Between nodes both legs are plain TCP that a network peer
+    can reach (docs/security.md), so the store choosing gloo there exposes nothing new; within a
+    node the store chooses nothing."""
     from cpuddp.launchers import hosts, store_values
 
-    legs = hosts.exchange(store, name, env.rank, env.world_size, choice.inter, td, what="backend")
+    legs = hosts.exchange(store, name, env.rank, env.world_size, str(choice.inter), td, what="backend")
     legs = [store_values.backend_name(f"{name}/{r}", n) for r, n in enumerate(legs)]
     if len(set(legs)) == 1:
         return choice
+    if env.is_main:
+        log.warning("cpuddp: between nodes gloo, not %s: not every rank has working oneCCL bindings (%s)",
+                    choice.inter, ", ".join(f"rank {r}: {n}" for r, n in enumerate(legs) if n != choice.inter)[:400])
     return dataclasses.replace(choice, inter="gloo", reason=f"{choice.reason}; between nodes gloo after all: "
                                f"not every rank has working oneCCL bindings ({', '.join(sorted(set(legs)))})")
 
 
-def group_options(choice: "BackendChoice", plan: Optional["PinPlan"], said_local: Optional[int]) -> Any:
+def _agree(env: "DistEnv", store: "Store", name: str, td: datetime.timedelta, mine: str, requested: str,
+           what: str) -> None:
+    """Publish this rank's ``mine`` under exchange ``name``; raise unless every rank's is the same."""
+    from cpuddp.launchers import hosts, store_values
+
+    names = hosts.exchange(store, name, env.rank, env.world_size, mine, td, what="backend")
+    names = [store_values.backend_name(f"{name}/{r}", n) for r, n in enumerate(names)]
+    if len(set(names)) == 1:
+        return
+    differ = [r for r, n in enumerate(names) if n != mine]
+    shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names) if r == env.rank or n != mine)
+    if len(shown) > 400:
+        shown = shown[:397] + "..."
+    asked = "" if requested.strip().lower() == "auto" else f" (backend={requested!r} on this rank)"
+    raise BackendError(
+        f"rank {env.rank}: the ranks' {what} choices differ{asked}: {shown}; {len(differ)} rank(s) differ from "
+        f"this rank's {mine!r}",
+        fix="if every rank runs the same code and software, something other than this job's ranks writes to its "
+            "rendezvous store (docs/security.md); otherwise make the nodes alike (the same packages, "
+            "CPUDDP_SHM, ranks per node) or pass the same explicit backend= on every rank, e.g. backend='gloo'",
+    )
+
+
+def group_options(choice: "BackendChoice", plan: Optional["PinPlan"], local_size: Optional[int]) -> Any:
     """The process-group options for ``choice`` (the shm group's: its node-to-node leg, whether
-    the plan leaves this rank a CPU for a communication thread, the launcher's local size)."""
+    the plan leaves this rank a CPU for a communication thread, and ``local_size``: the ranks on
+    this node as init proved them, below which the group refuses the store's records)."""
     if choice.name != "shm":
         return None
     from .settings import shm_options
 
     spare = plan is not None and len(plan.cpus) > plan.num_threads
-    return shm_options(choice, os.environ, async_comm=spare, local_size=said_local)
+    return shm_options(choice, os.environ, async_comm=spare, local_size=local_size)
 
 
 def form_group(env: "DistEnv", backend: str, store: Any, td: datetime.timedelta, options: Any = None) -> None:

@@ -1,0 +1,240 @@
+"""The node's proof: the ranks that share a host confirm, over a channel only this user's
+processes can use, that the host records the store gave them are the ones their peers wrote.
+
+The rendezvous store has no authentication (docs/security.md): anyone who can reach it can
+rewrite a rank's host record, and the records decide which ranks share a node, how many CPUs
+they have between them and, from those, the backend ``"auto"`` picks and the pinning plan.
+So before any of that is decided, :func:`prove_node` checks them where they can be checked:
+
+1. Each rank compares the store's copy of its own record with the record it wrote.
+2. Each rank publishes its role in exchange ``name``: ``alone``, ``lead <socket>`` (the lowest
+   rank of a host with 2+ ranks, listening on a fresh abstract Unix socket with a random name)
+   or ``join <leader>``; every rank checks that the roles match the hosts it read.
+3. On a host with 2+ ranks, each member connects to its leader; both ends check the other's
+   credentials (``SO_PEERCRED``: this user) before a byte is read, so a stranger's socket or
+   connection is refused.  Each member sends the record it wrote; the leader compares it with
+   the store's copy, then sends the node's records as it holds them (its own and the members',
+   each from its writer), and each member compares those with its own reads of the store.
+
+Any difference is a :class:`~cpuddp.errors.RendezvousError` naming the rank, what the store
+said and what the rank itself wrote: another process writes to the job's store.  What this
+proves: every record of a rank on this host came from that rank.  What it cannot prove: the
+records of ranks on other hosts (no channel between hosts is private; docs/security.md).
+
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import secrets
+import select
+import socket
+import struct
+import time
+from typing import Any, Sequence
+
+from cpuddp.errors import RendezvousError
+
+from . import store_values
+from .hosts import HostRecord, exchange, parse_record
+
+__all__ = ["prove_node", "node_roles", "check_roles"]
+
+log = logging.getLogger("cpuddp")
+
+_PREFIX = b"\0cpuddp-proof-"
+_MAX_MESSAGE = 1 << 20  # a node's records: far below this
+_STRANGER_LOG_EVERY = 50
+
+
+def _fail(rank: int, what: str) -> RendezvousError:
+    return RendezvousError(f"rank {rank}: {what}: something other than this job's ranks writes to its "
+                           "rendezvous store", fix=store_values.STORE_FIX)
+
+
+def node_roles(records: Sequence[HostRecord], host: str) -> tuple[int, ...]:
+    """The ranks whose records name ``host``, in rank order (pure)."""
+    return tuple(sorted(r.rank for r in records if r.host == host))
+
+
+def check_roles(rank: int, local: Sequence[int], roles: Sequence[str]) -> None:
+    """Raise unless the published ``roles`` match the host this rank read for each rank (pure):
+    the lowest local rank leads, the other local ranks join it, no other rank joins it."""
+    lead = local[0] if len(local) > 1 else None
+    for r, role in enumerate(roles):
+        word, _, arg = role.partition(" ")
+        if r == lead:
+            ok = word == "lead" and len(arg) == 32 and all(c in "0123456789abcdef" for c in arg)
+        elif lead is not None and r in local:
+            ok = role == f"join {lead}"
+        else:
+            ok = role not in {f"join {x}" for x in local} and (r != rank or role == "alone")
+        if not ok:
+            where = "on this host" if r in local else "on another host"
+            raise _fail(rank, f"the host records in the store put rank {r} {where}, but rank {r} published the "
+                        f"role {store_values.shown(role, 60)} (the ranks read different host records)")
+
+
+def prove_node(store: Any, name: str, mine: HostRecord, records: Sequence[HostRecord], world_size: int,
+               timeout: datetime.timedelta) -> None:
+    """Check ``records`` (read from the store) against what this host's ranks wrote; see the
+    module docstring.  ``mine``: the record this rank wrote."""
+    rank = mine.rank
+    if records[rank] != mine:
+        raise _fail(rank, f"the store's host record of rank {rank} is not the one rank {rank} wrote "
+                    f"(store: {store_values.shown(records[rank].to_json(), 120)})")
+    local = node_roles(records, mine.host)
+    deadline = time.monotonic() + timeout.total_seconds()
+    server = _listen() if len(local) > 1 and local[0] == rank else None
+    try:
+        role = ("alone" if len(local) < 2 else
+                f"lead {server.getsockname()[len(_PREFIX):].decode()}" if server else f"join {local[0]}")
+        roles = exchange(store, name, rank, world_size, role, timeout, what="proof")
+        check_roles(rank, local, roles)
+        if server is not None:
+            _lead(server, mine, records, local, deadline)
+        elif len(local) > 1:
+            _join(roles[local[0]].split(" ", 1)[1], mine, records, local, deadline)
+    finally:
+        if server is not None:
+            server.close()
+
+
+# --------------------------------------------------------------------------- the channel
+
+
+def _listen() -> socket.socket:
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(_PREFIX + secrets.token_hex(16).encode())
+    srv.listen(socket.SOMAXCONN)
+    srv.setblocking(False)
+    return srv
+
+
+def _peer(conn: socket.socket) -> tuple[int, int]:
+    """The (pid, uid) of the process at the other end of ``conn`` (SO_PEERCRED)."""
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
+
+
+def _send(conn: socket.socket, obj: Any) -> None:
+    data = json.dumps(obj).encode()
+    conn.sendall(struct.pack("!I", len(data)) + data)
+
+
+def _recv(conn: socket.socket, deadline: float) -> Any:
+    head = _recv_exactly(conn, 4, deadline)
+    (size,) = struct.unpack("!I", head)
+    if size > _MAX_MESSAGE:
+        raise OSError(f"a message of {size} bytes")
+    return json.loads(_recv_exactly(conn, size, deadline).decode())
+
+
+def _recv_exactly(conn: socket.socket, n: int, deadline: float) -> bytes:
+    out = b""
+    while len(out) < n:
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        chunk = conn.recv(n - len(out))
+        if not chunk:
+            raise OSError("the other end closed the connection")
+        out += chunk
+    return out
+
+
+def _lead(server: socket.socket, mine: HostRecord, records: Sequence[HostRecord], local: Sequence[int],
+          deadline: float) -> None:
+    """Accept each local member (refusing every other user), check the record it wrote against
+    the store's, then send every member the node's records as their writers sent them."""
+    rank, members, strangers = mine.rank, {}, 0
+    try:
+        while len(members) < len(local) - 1:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = sorted(set(local[1:]) - set(members))
+                raise RendezvousError(
+                    f"rank {rank}: rank(s) {missing} of this host never reached its private check of the host "
+                    f"records" + (f" ({strangers} connection(s) from other users were refused)" if strangers else ""),
+                    fix="see those ranks' logs; raise CPUDDP_TIMEOUT if they were merely slow")
+            if not select.select([server], [], [], min(left, 0.5))[0]:
+                continue
+            try:
+                conn, _ = server.accept()
+            except BlockingIOError:
+                continue
+            pid, uid = _peer(conn)
+            if uid != os.getuid():
+                conn.close()
+                strangers += 1
+                if strangers % _STRANGER_LOG_EVERY == 1:
+                    log.warning("cpuddp: refused connection %d to rank %d's private check from pid %d, uid %d "
+                                "(another user)", strangers, rank, pid, uid)
+                continue
+            _member(conn, rank, records, local, members, deadline)
+        table = [mine.to_json()] + [members[r][1] for r in local[1:]]
+        for r in local[1:]:
+            _send(members[r][0], table)
+    finally:
+        for conn, _ in members.values():
+            conn.close()
+
+
+def _member(conn: socket.socket, rank: int, records: Sequence[HostRecord], local: Sequence[int],
+            members: dict, deadline: float) -> None:
+    """Read one member's record and check it against the store's copy (the leader's side)."""
+    try:
+        raw = _recv(conn, deadline)
+        got = parse_record("the private check", raw, int(json.loads(raw)["rank"]), len(records))
+    except (OSError, ValueError, KeyError, TypeError, RendezvousError) as exc:
+        conn.close()
+        raise _fail(rank, f"a process of this user sent the private check of the host records something "
+                    f"other than a record ({type(exc).__name__}: {exc})") from None
+    r = got.rank
+    if r not in local[1:] or r in members:
+        conn.close()
+        raise _fail(rank, f"rank {r} reached this host's private check, but the store's records do not put "
+                    f"it here, or it came twice")
+    if records[r] != got:
+        conn.close()
+        raise _fail(rank, f"the store's host record of rank {r} ({store_values.shown(records[r].to_json(), 120)}) "
+                    f"is not the one rank {r} wrote ({store_values.shown(raw, 120)})")
+    members[r] = (conn, raw)
+
+
+def _join(sock: str, mine: HostRecord, records: Sequence[HostRecord], local: Sequence[int],
+          deadline: float) -> None:
+    """Send the leader this rank's record; check the node's records the leader sends back."""
+    rank, lead = mine.rank, local[0]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            conn.connect(_PREFIX + sock.encode())
+        except OSError as exc:
+            raise _fail(rank, f"rank {lead}'s private check of the host records is not listening where the "
+                        f"store says ({exc.strerror or exc})") from None
+        pid, uid = _peer(conn)
+        if uid != os.getuid():
+            raise _fail(rank, f"the socket the store names for rank {lead}'s private check belongs to pid {pid} "
+                        f"of uid {uid}, another user")
+        try:
+            _send(conn, mine.to_json())
+            table = _recv(conn, deadline)
+        except (OSError, ValueError) as exc:
+            raise RendezvousError(f"rank {rank}: rank {lead} ended the private check of the host records "
+                                  f"({exc}); its log says why",
+                                  fix=f"see rank {lead}'s log; every rank stops with it") from None
+    _compare(rank, table, records, local)
+
+
+def _compare(rank: int, table: Any, records: Sequence[HostRecord], local: Sequence[int]) -> None:
+    if not isinstance(table, list) or len(table) != len(local):
+        raise _fail(rank, "the leader's table of this host's records is malformed")
+    for r, raw in zip(local, table):
+        got = parse_record("the private check", raw, r, len(records))
+        if records[r] != got:
+            raise _fail(rank, f"the store's host record of rank {r} "
+                        f"({store_values.shown(records[r].to_json(), 120)}) is not the one rank {r} wrote "
+                        f"({store_values.shown(raw, 120)})")
