@@ -150,3 +150,49 @@ def test_matched_sparse_all_to_all_and_send_recv_calls_still_work():
     r0, r1 = run_distributed(_matched_still_work, 2, backend="shm", timeout=120)
     assert r0 == [0, 100, 101], r0
     assert r1 == [1, 2, 102, 103], r1
+
+
+def test_sparse_layouts_are_compared_across_nodes_too():
+    """Ranks on different nodes: no node's descriptors compare them, so their layouts go first,
+    with the counts.  Two threads stand for them here, over an all_gather of their own; a
+    difference is a CallMismatch on both before any index or value moves."""
+    import threading
+
+    import torch
+
+    from cpuddp.backends.shm.agree import CallMismatch
+    from cpuddp.backends.shm.ops import SUM
+    from cpuddp.backends.shm.sparse import all_reduce_sparse
+
+    box, gathered, barrier = {}, [], threading.Barrier(2, timeout=30)
+
+    def run(rank: int, t, out: dict) -> None:
+        def all_gather(inp, outs) -> None:
+            box[rank] = inp.clone()
+            barrier.wait()
+            gathered.append(inp.numel())
+            for r, o in enumerate(outs):
+                o.copy_(box[r])
+            barrier.wait()
+
+        try:
+            out[rank] = all_reduce_sparse(t, SUM, 2, all_gather).to_dense().tolist()
+        except CallMismatch as exc:
+            out[rank] = str(exc)
+
+    for cols in ((2, 2), (2, 3)):
+        out: dict = {}
+        gathered.clear()
+        threads = [threading.Thread(target=run, args=(r, torch.sparse_coo_tensor([[r, 3]], torch.ones(2, c), (5, c)),
+                                                      out)) for r, c in enumerate(cols)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+        if cols[0] == cols[1]:
+            assert out[0] == out[1] and out[0][3] == [2.0, 2.0], out
+            continue
+        for rank in range(2):
+            assert "sparse all_reduce differs between ranks" in out[rank], out
+            assert "dense sizes (2)" in out[rank] and "dense sizes (3)" in out[rank], out
+        assert len(gathered) == 2, gathered  # the heads only: no index or value moved
