@@ -196,3 +196,53 @@ def test_sparse_layouts_are_compared_across_nodes_too():
             assert "sparse all_reduce differs between ranks" in out[rank], out
             assert "dense sizes (2)" in out[rank] and "dense sizes (3)" in out[rank], out
         assert len(gathered) == 2, gathered  # the heads only: no index or value moved
+
+
+def _refusal_while_sending_big():
+    """Rank 1 is in the middle of sending rank 0 a 32 MiB tensor when it refuses rank 0's
+    mismatched message: the big one goes out whole (or fails with the mismatch), never cut."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    group = dist.new_group(backend="shm")
+    big = 8 << 20
+    if rank == 1:
+        work = dist.isend(torch.arange(big, dtype=torch.float32), dst=0, group=group, tag=1)
+        time.sleep(0.2)  # rank 0 is not receiving yet: the big message is stuck half-written
+        out = {}
+        try:
+            dist.recv(torch.zeros(4, dtype=torch.int64), src=0, group=group, tag=2)
+            out["recv"] = "ok"
+        except Exception as exc:  # noqa: BLE001
+            out["recv"] = str(exc)
+        try:
+            work.wait()
+            out["big_send"] = "ok"
+        except Exception as exc:  # noqa: BLE001
+            out["big_send"] = str(exc)
+        return out
+    dist.send(torch.zeros(4, dtype=torch.float64), dst=1, group=group, tag=2)
+    time.sleep(0.5)  # rank 1 refused it meanwhile
+    got = torch.zeros(big)
+    out = {}
+    try:
+        dist.recv(got, src=1, group=group, tag=1)
+        out["big_recv"] = "ok" if torch.equal(got, torch.arange(big, dtype=torch.float32)) else "WRONG BYTES"
+    except Exception as exc:  # noqa: BLE001
+        out["big_recv"] = str(exc)
+    try:
+        dist.send(torch.zeros(1), dst=1, group=group)
+        out["next"] = "ok"
+    except Exception as exc:  # noqa: BLE001
+        out["next"] = str(exc)
+    return out
+
+
+def test_a_refusal_never_cuts_a_message_half_sent_the_other_way():
+    r0, r1 = run_distributed(_refusal_while_sending_big, 2, backend="shm", timeout=120)
+    mismatch = "rank 0 sent 4 float64 elements, rank 1 receives 4 int64 elements"
+    assert mismatch in r1["recv"], r1
+    assert r0["big_recv"] == "ok" or mismatch in r0["big_recv"], r0
+    assert (r1["big_send"] == "ok") == (r0["big_recv"] == "ok"), (r0, r1)
+    assert mismatch in r0["next"], r0

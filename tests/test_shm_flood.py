@@ -207,3 +207,19 @@ def test_rank0_names_the_flood_in_its_error_when_the_peer_never_comes():
     assert res["codes"][0] != 0, r0
     assert "did not ask for the segment within the group timeout" in r0 and "hand-over socket busy" in r0, r0
     assert f"connections from uid {res['uid']}" in r0, r0
+
+
+@pytest.mark.parametrize("raw, want", [
+    (b"999\t150", {999: 150}),
+    (b"999\t150\n1000\t3", {999: 150, 1000: 3}),
+    (b"", {}),
+    (b"\x1b[2Jboom\t1", {}),  # a store value is not trusted: only numbers are shown
+    (b"-1\t5\n12\tx\n1\t2\t3", {}),
+    (b"9" * 40 + b"\t1", {}),
+])
+def test_the_published_flood_count_is_checked_before_a_peer_shows_it(raw, want):
+    from cpuddp.backends.shm.handover import busy_text, parse_busy
+
+    assert parse_busy(raw) == want
+    if want:
+        assert busy_text(want).startswith(f"{max(want.values())} connections from uid")

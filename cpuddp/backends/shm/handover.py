@@ -95,11 +95,14 @@ def _user(uid: int) -> str:
     return ""
 
 
+def _most(refused: Dict[int, int]) -> List[Tuple[int, int]]:
+    """The three uids with the most refused connections, and their counts."""
+    return sorted(refused.items(), key=lambda kv: -kv[1])[:3]
+
+
 def busy_text(refused: Dict[int, int]) -> str:
     """``150 connections from uid 999 (name)``, for the uids with the most."""
-    most = sorted(refused.items(), key=lambda kv: -kv[1])
-    return ", ".join(f"{n} connection{'s' if n != 1 else ''} from uid {uid}{_user(uid)}"
-                                                 for uid, n in most[:3]) + (" and more" if len(most) > 3 else "")
+    return ", ".join(f"{n} connection{'s' if n != 1 else ''} from uid {uid}{_user(uid)}" for uid, n in _most(refused))
 
 
 def parse_busy(raw: bytes) -> Dict[int, int]:
@@ -189,8 +192,7 @@ class _Server:
         """Tell the peers (``busy/<rank 0>``) how many connections of other users were refused."""
         total, (when, last) = sum(self.refused.values()), self.published
         if total != last and time.monotonic() - when > _BUSY_EVERY:
-            most = sorted(self.refused.items(), key=lambda kv: -kv[1])[:3]
-            self.store.set(f"busy/{self.plan.local[0]}", "\n".join(f"{uid}\t{n}" for uid, n in most))
+            self.store.set(f"busy/{self.plan.local[0]}", "\n".join(f"{uid}\t{n}" for uid, n in _most(self.refused)))
             self.published = (time.monotonic(), total)
 
     def _expected_pids(self) -> Optional[set]:
@@ -204,7 +206,7 @@ class _Server:
                 sock, _ = self.srv.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 return
-            _pid, uid = _peer_cred(sock)
+            _, uid = _peer_cred(sock)
             if uid != os.geteuid():
                 if not self.refused[uid]:
                     log.warning("cpuddp.shm: refused a connection to the hand-over socket: the process %s (more "

@@ -7,7 +7,7 @@ One thread per group moves the bytes (``selectors``: a send never waits for its 
 ranks that send to each other before they receive cannot deadlock).  A message is a header
 (kind, tag, byte count, element count, dtype) and the tensor's bytes.  A ``recv`` takes the
 first message from its source with its tag, in the order they were sent; a message that arrives
-before its ``recv`` is kept until one asks for it.  Before a byte lands in the receiving tensor,
+before its ``recv`` is kept until one asks for it (also after the link closed).  Before a byte lands in the receiving tensor,
 the message's dtype and element count are compared with the tensor's: a difference fails that
 ``recv`` naming both sides, and the receiver sends the same text back (a *refusal*) and closes
 its link with the sender; the sender's link closes with that text too, so its pending and later
@@ -54,6 +54,7 @@ class _Out:
     fut: "torch.futures.Future[Any]"
     keep: Any  # the tensor, alive until sent
     done: int = 0
+    more: bool = False  # the next item is the rest of this message (a header's payload)
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -98,6 +99,7 @@ class _Peer:
         default_factory=lambda: collections.defaultdict(collections.deque))
     closed: Optional[str] = None
     flushing: bool = False  # closed, but a refusal is still being written
+    mid: bool = False  # the items written so far end inside a message (its header went out)
 
 
 class PeerLinks:
@@ -128,7 +130,7 @@ class PeerLinks:
         head = _HEADER.pack(_DATA, tag, len(payload), t.numel(), _dtype(t).encode())
         with self._lock:
             peer = self._peer(dst, "send to")
-            peer.out.append(_Out(memoryview(head), torch.futures.Future(), None))
+            peer.out.append(_Out(memoryview(head), torch.futures.Future(), None, more=True))
             peer.out.append(_Out(payload, fut, t))
         self._wake()
         return fut
@@ -136,12 +138,12 @@ class PeerLinks:
     def recv(self, t: torch.Tensor, src: int, tag: int) -> "torch.futures.Future[Any]":
         fut: torch.futures.Future = torch.futures.Future()
         with self._lock:
-            peer = self._peer(src, "receive from")
+            peer = self._peers[src]
             waiting = peer.arrived.get(tag)
-            if waiting:
+            if waiting and not self._stop:  # a message that came before the link closed, if it did
                 self._deliver(peer, _In(t, fut, tag), *waiting.popleft(), src)
             else:
-                peer.posted[tag].append(_In(t, fut, tag))
+                self._peer(src, "receive from").posted[tag].append(_In(t, fut, tag))
         return fut
 
     def _peer(self, rank: int, what: str) -> _Peer:
@@ -174,15 +176,20 @@ class PeerLinks:
 
     def _refuse(self, peer: _Peer, src: int, why: str) -> None:
         """Tell ``src`` why (a refusal after any message half-written to it), then close the link."""
+        if peer.closed is not None:
+            return  # a message kept from before the link closed: the recv's error is enough
         text = why.encode()[:_MAX_REFUSAL]
-        keep = [peer.out[0]] if peer.out and peer.out[0].done else []
+        keep = []
+        if peer.out and (peer.mid or peer.out[0].done):  # a message half-written goes out whole
+            keep = list(peer.out)[:2 if peer.out[0].more else 1]
         err = dist.DistBackendError(f"shm: {why}")
         for item in list(peer.out)[len(keep):]:
             if not item.fut.done():
                 item.fut.set_exception(err)
         peer.out.clear()
         peer.out.extend(keep)
-        peer.out.append(_Out(memoryview(_HEADER.pack(_REFUSAL, 0, len(text), 0, b"")), torch.futures.Future(), None))
+        peer.out.append(_Out(memoryview(_HEADER.pack(_REFUSAL, 0, len(text), 0, b"")), torch.futures.Future(), None,
+                             more=True))
         peer.out.append(_Out(memoryview(text), torch.futures.Future(), None))
         self._close_peer(peer, src, why, flush=True)
         self._wake()
@@ -236,6 +243,7 @@ class PeerLinks:
                     return
             if item.done >= len(item.data):
                 peer.out.popleft()
+                peer.mid = item.more
                 if not item.fut.done():
                     item.fut.set_result([item.keep] if item.keep is not None else [])
 
@@ -323,7 +331,6 @@ class PeerLinks:
             peer.out.clear()
             self._unregister(peer)
         peer.posted.clear()
-        peer.arrived.clear()
 
     def _unregister(self, peer: _Peer) -> None:
         peer.flushing = False
