@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -144,6 +145,7 @@ def _run_flooded(late: bool, timeout: int) -> dict:
                 p.kill()
                 p.wait()
     flood_out = flooder.communicate(timeout=60)[0]
+    shutil.rmtree(run, ignore_errors=True)
     flood = json.loads(flood_out.strip().splitlines()[-1])
     assert flood["uid"] == uid and flood["connected"] >= 150, (flood_out, outs)
     return {"outs": outs, "codes": [p.returncode for p in procs], "uid": uid, "flood": flood}
