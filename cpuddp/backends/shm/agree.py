@@ -15,13 +15,14 @@ reads and writes the segment's words.
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import check as shm_check
 
-__all__ = ["Call", "CallMismatch", "KINDS", "Ring", "describe", "encode"]
+__all__ = ["Call", "CallMismatch", "KINDS", "Pinned", "READERS", "Ring", "describe", "dtype_name", "encode"]
 
 #: collective -> code in a descriptor (0 is "nothing posted")
 KINDS = {name: i + 1 for i, name in enumerate((
@@ -62,12 +63,32 @@ def dtype_code(dtype: Any) -> int:
     return _DTYPES.index(name) if name in _DTYPES else 99
 
 
+def dtype_name(code: int) -> str:
+    """The dtype a descriptor's code stands for (as text)."""
+    return _DTYPES[code] if 0 <= code < len(_DTYPES) else f"dtype {code}"
+
+
+class Pinned(list):
+    """A call's tensors (its byte count) and descriptor fields its collective sets itself:
+    :func:`encode` takes ``fields`` as they are (:mod:`cpuddp.backends.shm.forms` and
+    :mod:`cpuddp.backends.shm.sparse` pack all_to_all's dtype and a sparse tensor's layout)."""
+
+    def __init__(self, items: Sequence[Any] = (), /, **fields: int) -> None:
+        super().__init__(items)
+        self.fields = fields
+
+
+#: kind code -> the text of a descriptor whose collective packs fields of its own (after the op)
+READERS: Dict[int, Callable[[Sequence[int]], List[str]]] = {}
+
+
 def encode(kind: str, tensors: Sequence[Any] = (), *, op: Optional[int] = None, root: Optional[int] = None) -> Call:
     """The :class:`Call` for collective ``kind`` over ``tensors`` (the tensors every rank must
     hold alike: their total element count, the first one's dtype, their number and sizes)."""
+    fields = getattr(tensors, "fields", {})
     tensors = list(tensors)
     sizes = ",".join(str(int(t.numel())) for t in tensors)
-    return Call(
+    call = Call(
         kind=KINDS[kind],
         op=ANY if op is None else int(op),
         dtype=dtype_code(tensors[0].dtype) if tensors else ANY,
@@ -76,6 +97,7 @@ def encode(kind: str, tensors: Sequence[Any] = (), *, op: Optional[int] = None, 
         tensors=len(tensors) if tensors else ANY,
         sizes=zlib.crc32(sizes.encode()) if len(tensors) > 1 else ANY,
     )
+    return dataclasses.replace(call, **fields) if fields else call
 
 
 def describe(call: Sequence[int]) -> str:
@@ -84,6 +106,8 @@ def describe(call: Sequence[int]) -> str:
     parts = []
     if op != ANY:
         parts.append(_OPS.get(op, f"op {op}"))
+    if kind in READERS:
+        return f"{_KIND_NAMES[kind]}({', '.join(parts + READERS[kind](call[:WORDS]))})"
     if dtype != ANY:
         parts.append(_DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else f"dtype {dtype}")
     if numel != ANY:

@@ -23,7 +23,7 @@ from cpuddp.errors import BackendError
 
 from . import forms
 from .ops import AVG, SUM, check_tensors, flat_bytes, reducer, staged
-from .sparse import all_reduce_sparse, check_sparse
+from .sparse import all_reduce_sparse, check_sparse, sparse_call
 from .stream import GatheredWork
 
 __all__ = ["Collectives"]
@@ -51,8 +51,8 @@ class Collectives:
         if isinstance(t, torch.Tensor) and t.is_sparse:
             check_sparse(t, code)
             gather = (self._hier or self._eng).all_gather
-            return self._run("all_reduce_sparse", [], lambda: all_reduce_sparse(t, code, self.size(), gather), tensors,
-                             op=code)
+            return self._run("all_reduce_sparse", sparse_call(t), lambda: all_reduce_sparse(t, code, self.size(), gather),
+                             tensors, op=code)
         check_tensors(tensors, "all_reduce")
         fn = reducer(code, t.dtype)
 
@@ -322,21 +322,23 @@ class Collectives:
 
     def alltoall(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
         outs, ins = list(outputs), list(inputs)
+        check_tensors([*outs, *ins], "all_to_all")
+        agreed = forms.one_dtype(ins, outs, self.rank(), "all_to_all")
         if self._eng is None or self._hier is not None:
             return self._world_all_to_all(outs, ins)
-        check_tensors([*outs, *ins], "all_to_all")
         if len(outs) != self.size() or len(ins) != self.size():
             raise BackendError(f"all_to_all: rank {self.rank()} passed {len(ins)} inputs and {len(outs)} outputs",
                                fix=f"pass one of each per rank ({self.size()})")
-        return self._run("all_to_all", [], lambda: self._all_to_all(outs, ins), outputs)
+        return self._run("all_to_all", agreed, lambda: self._all_to_all(outs, ins), outputs)
 
     def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Any = None,  # noqa: A002
                           input_split_sizes: Any = None, *args: Any, **kw: Any) -> Any:
+        check_tensors([output, input], "all_to_all_single")
+        agreed = forms.one_dtype([input], [output], self.rank(), "all_to_all_single")
         if self._eng is None or self._hier is not None:
             return self._world.alltoall_base(output, input, list(output_split_sizes or []),
                                              list(input_split_sizes or []))
 
-        check_tensors([output, input], "all_to_all_single")
         ins = forms.split_rows(input, input_split_sizes, self.size(), "input")
         forms.split_rows(output, output_split_sizes, self.size(), "output")
 
@@ -345,14 +347,13 @@ class Collectives:
                 outs = forms.split_rows(flat.view(output.shape), output_split_sizes, self.size(), "output")
                 self._all_to_all(outs, ins)
 
-        return self._run("all_to_all_single", [], body, output)
+        return self._run("all_to_all_single", agreed, body, output)
 
     alltoall_base = all_to_all_single
 
     def _world_all_to_all(self, outs: List[torch.Tensor], ins: List[torch.Tensor]) -> Any:
         """The list form on the gloo group of every rank, as one single-tensor call (gloo's list
         form needs equal sizes, and torch 2.9)."""
-        check_tensors([*outs, *ins], "all_to_all")
         flat_in = torch.cat([i.reshape(-1) for i in ins])
         flat_out = torch.empty(sum(o.numel() for o in outs), dtype=flat_in.dtype)
         work = self._world.alltoall_base(flat_out, flat_in, [o.numel() for o in outs], [i.numel() for i in ins])

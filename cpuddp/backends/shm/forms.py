@@ -15,7 +15,9 @@ import torch.distributed as dist
 
 from cpuddp.errors import BackendError
 
-__all__ = ["one_tensor", "reduce_op", "options", "overlaps", "split_rows", "same_as_input", "root_of"]
+from .agree import ANY, Pinned
+
+__all__ = ["one_tensor", "reduce_op", "options", "overlaps", "split_rows", "same_as_input", "root_of", "one_dtype"]
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -103,3 +105,14 @@ def split_rows(t: torch.Tensor, sizes: Any, n: int, what: str) -> List[torch.Ten
         raise BackendError(f"all_to_all_single: {what}_split_sizes {sizes} do not split {rows} rows among {n} ranks",
                            fix=f"pass {n} non-negative sizes that add up to the {what}'s first dimension")
     return list(torch.split(t, sizes)) if t.dim() else [t]
+
+
+def one_dtype(ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor], rank: int, what: str) -> Pinned:
+    """An all_to_all's buffers share one dtype (one rank's input bytes become another's output),
+    or an error; the call's descriptor pins that dtype, not the sizes (they may differ per rank)."""
+    names = sorted({_name(t.dtype) for t in (*ins, *outs)})
+    if len(names) > 1:
+        raise BackendError(f"{what}: rank {rank} passed buffers of dtypes {', '.join(names)}: each rank's input "
+                           "and output tensors must share one dtype (the bytes one rank sends are another's output)",
+                           fix="pass input and output tensors of one dtype (convert with .to(dtype) around the call)")
+    return Pinned(ins, numel=ANY, tensors=ANY, sizes=ANY)

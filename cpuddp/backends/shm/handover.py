@@ -8,9 +8,16 @@ local peer connects, and both ends check the other's credentials (``SO_PEERCRED`
 the expected pid where the PID namespace is shared):
 
 * local rank 0 checks a connection right after ``accept()``, before reading a byte: another
-  user's connection is closed at once (and logged with its uid and pid); it serves every
-  connection without blocking (``selectors``), so a process that connects and sends nothing
-  holds only its own connection, which is dropped after :data:`HELLO_WITHIN` seconds;
+  user's connection is closed at once (the first one of each uid logged with its uid and pid,
+  the rest counted: a flood is logged as one line, "hand-over socket busy: N connections from
+  uid U"); it accepts every connection waiting at each wake-up, from a backlog of ``SOMAXCONN``,
+  so a flood of connections from another user is dropped as fast as it comes and cannot hold
+  the socket's backlog full; it serves every connection without blocking (``selectors``), so a
+  process that connects and sends nothing holds only its own connection, which is dropped
+  after :data:`HELLO_WITHIN` seconds;
+* a peer whose connect meets a full backlog waits in the kernel for its turn (woken at each
+  ``accept``), until the group timeout; then its error says the socket was busy, and by whom
+  (local rank 0 publishes its count under ``busy/<rank 0>``), never "network namespaces";
 * the peer checks that the listening end is this uid (and rank 0's pid) before it says which
   local rank it is, receives the descriptors (``SCM_RIGHTS``), checks the segment
   (:func:`cpuddp.backends.shm.segment.check_received`) and answers ``ok`` or its error.
@@ -21,9 +28,12 @@ and raised on all of them at once (:func:`map_segment`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import errno
 import logging
 import os
+import pwd
 import re
 import secrets
 import selectors
@@ -41,7 +51,7 @@ from . import check as shm_check
 from .node import NodePlan
 from .segment import FIX, Segment, check_received, create_segment
 
-__all__ = ["map_segment", "parse_offer", "HELLO_WITHIN"]
+__all__ = ["map_segment", "parse_offer", "parse_busy", "busy_text", "HELLO_WITHIN"]
 
 log = logging.getLogger("cpuddp.shm")
 
@@ -54,6 +64,14 @@ _POLL = 0.05
 HELLO_WITHIN = 1.0
 #: How long a failed local rank 0 (which may host the store) stays for its peers to read why.
 _LINGER = 10.0
+#: Connections accepted at one wake-up at most (the peers' hellos and replies are served between).
+_ACCEPT_BURST = 512
+#: How often local rank 0 republishes its count of refused connections (seconds).
+_BUSY_EVERY = 0.5
+_BUSY_FIX = ("another user's processes connect to this job's shared-memory hand-over socket (its name is public "
+             "on the host): stop them (their uid is named; ask the node's administrator), or run the job's ranks "
+             "in a network namespace of their own (a container), where nobody else can reach the socket; see "
+             "docs/security.md")
 
 
 def _peer_cred(conn: socket.socket) -> Tuple[int, int]:
@@ -69,6 +87,32 @@ def _cred_problem(conn: socket.socket, expected_pids: Optional[set]) -> Optional
     if expected_pids is not None and pid not in expected_pids:
         return f"is pid {pid}, not the expected pid {' or '.join(str(p) for p in sorted(expected_pids))}"
     return None
+
+
+def _user(uid: int) -> str:
+    with contextlib.suppress(KeyError):
+        return f" ({pwd.getpwuid(uid).pw_name})"
+    return ""
+
+
+def _most(refused: Dict[int, int]) -> List[Tuple[int, int]]:
+    """The three uids with the most refused connections, and their counts."""
+    return sorted(refused.items(), key=lambda kv: -kv[1])[:3]
+
+
+def busy_text(refused: Dict[int, int]) -> str:
+    """``150 connections from uid 999 (name)``, for the uids with the most."""
+    return ", ".join(f"{n} connection{'s' if n != 1 else ''} from uid {uid}{_user(uid)}" for uid, n in _most(refused))
+
+
+def parse_busy(raw: bytes) -> Dict[int, int]:
+    """Local rank 0's published count (``uid<TAB>count`` lines), checked; empty if it is not one."""
+    out: Dict[int, int] = {}
+    for line in raw.decode(errors="replace").splitlines()[:3]:
+        parts = line.split("\t")
+        if len(parts) == 2 and all(p.isdigit() and len(p) <= 12 for p in parts):
+            out[int(parts[0])] = int(parts[1])
+    return out
 
 
 def parse_offer(raw: bytes, key: str) -> Tuple[str, int, int]:
@@ -112,10 +156,13 @@ class _Server:
     deadline: float
     fds_for: Callable[[int], Tuple[bytes, List[int]]]
     pending: Dict[int, int] = field(default_factory=dict)  # local rank -> group rank, not served yet
+    refused: Dict[int, int] = field(default_factory=collections.Counter)  # another uid -> its connections
+    published: Tuple[float, int] = (0.0, 0)  # when, and how many refused, busy/<rank 0> was last set
 
     def run(self) -> None:
         self.pending = {lr: r for lr, r in enumerate(self.plan.local) if lr != 0}
         conns: Dict[socket.socket, _Conn] = {}
+        self.srv.setblocking(False)
         with selectors.DefaultSelector() as sel:
             sel.register(self.srv, selectors.EVENT_READ)
             try:
@@ -123,28 +170,59 @@ class _Server:
                     for key, _ in sel.select(_POLL):
                         if key.fileobj is self.srv:
                             self._accept(sel, conns)
-                        else:
+                        elif key.fileobj in conns:
                             self._read(sel, conns, conns[key.fileobj])  # type: ignore[index]
                     self._drop_silent(sel, conns)
+                    self._publish_busy()
                     self._peers_failed()
             finally:
                 for c in conns.values():
                     c.sock.close()
+                if self.refused:
+                    log.warning("cpuddp.shm: hand-over socket busy: %s were refused during the hand-over",
+                                busy_text(self.refused))
+
+    def _error(self, msg: str) -> BackendError:
+        """An error of the hand-over, naming a flood of other users' connections if there was one."""
+        if not self.refused:
+            return BackendError(msg, fix=FIX)
+        return BackendError(f"{msg}; hand-over socket busy: {busy_text(self.refused)} were refused", fix=_BUSY_FIX)
+
+    def _publish_busy(self) -> None:
+        """Tell the peers (``busy/<rank 0>``) how many connections of other users were refused."""
+        total, (when, last) = sum(self.refused.values()), self.published
+        if total != last and time.monotonic() - when > _BUSY_EVERY:
+            self.store.set(f"busy/{self.plan.local[0]}", "\n".join(f"{uid}\t{n}" for uid, n in _most(self.refused)))
+            self.published = (time.monotonic(), total)
 
     def _expected_pids(self) -> Optional[set]:
         pids = {self.plan.peer_pids.get(r) for r in self.pending.values()}
         return None if None in pids else pids  # a peer in another PID namespace: uid only
 
     def _accept(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn]) -> None:
-        sock, _ = self.srv.accept()
-        problem = _cred_problem(sock, self._expected_pids())
-        if problem is not None:
-            log.warning("cpuddp.shm: refused a connection to the hand-over socket: the process %s", problem)
-            sock.close()
-            return
-        sock.setblocking(False)
-        conns[sock] = _Conn(sock, time.monotonic())
-        sel.register(sock, selectors.EVENT_READ)
+        """Accept every connection waiting (a burst at most); another user's is closed at once."""
+        for _ in range(_ACCEPT_BURST):
+            try:
+                sock, _ = self.srv.accept()
+            except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+                return
+            _, uid = _peer_cred(sock)
+            if uid != os.geteuid():
+                if not self.refused[uid]:
+                    log.warning("cpuddp.shm: refused a connection to the hand-over socket: the process %s (more "
+                                "from uid %d are counted, and logged once the hand-over ends)",
+                                _cred_problem(sock, None), uid)
+                self.refused[uid] += 1
+                sock.close()
+                continue
+            problem = _cred_problem(sock, self._expected_pids())
+            if problem is not None:
+                log.warning("cpuddp.shm: refused a connection to the hand-over socket: the process %s", problem)
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conns[sock] = _Conn(sock, time.monotonic())
+            sel.register(sock, selectors.EVENT_READ)
 
     def _read(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn], c: _Conn) -> None:
         try:
@@ -192,8 +270,7 @@ class _Server:
         self._close(sel, conns, c)
         if c.buf != b"ok":
             text = c.buf.decode(errors="replace").strip() or "it closed the connection (died?)"
-            raise BackendError(f"local rank {lr} (rank {self.pending.get(lr)}) could not map the segment: {text}",
-                               fix=FIX)
+            raise self._error(f"local rank {lr} (rank {self.pending.get(lr)}) could not map the segment: {text}")
         self.pending.pop(lr, None)  # type: ignore[arg-type]
 
     def _drop_silent(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn]) -> None:
@@ -209,15 +286,16 @@ class _Server:
         for lr, r in self.pending.items():
             key = f"mapped/{r}"
             if self.store.check([key]):
-                raise BackendError(
-                    f"local rank {lr}: {self.store.get(key).decode(errors='replace').split(chr(9), 1)[-1]}",
-                    fix=_PEER_FIX)
+                text = self.store.get(key).decode(errors='replace').split(chr(9), 1)[-1]
+                if self.refused:
+                    raise self._error(f"local rank {lr}: {text}")
+                raise BackendError(f"local rank {lr}: {text}", fix=_PEER_FIX)
             pid = self.plan.peer_pids.get(r)
             if pid is not None and not pid_alive(pid):
-                raise BackendError(f"local rank {lr} (rank {r}, pid {pid}) died before it mapped the segment", fix=FIX)
+                raise self._error(f"local rank {lr} (rank {r}, pid {pid}) died before it mapped the segment")
         if time.monotonic() > self.deadline:
-            raise BackendError(f"local rank(s) {sorted(self.pending)} did not ask for the segment within the group "
-                               "timeout", fix=FIX)
+            raise self._error(f"local rank(s) {sorted(self.pending)} did not ask for the segment within the group "
+                              "timeout")
 
 
 def _socket_pairs(n: int) -> Dict[Tuple[int, int], socket.socket]:
@@ -243,7 +321,7 @@ def _create_and_serve(store: Any, key: str, plan: NodePlan, deadline: float,
         name = secrets.token_hex(16)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
             srv.bind(_SOCK_PREFIX + name.encode())
-            srv.listen(max(8, plan.local_size))
+            srv.listen(max(socket.SOMAXCONN, plan.local_size))  # the kernel caps it (net.core.somaxconn)
             store.set(key, f"sock\t{name}\t{token}\t{slot}")
             _Server(srv, plan, store, deadline, fds_for).run()
     except BaseException:
@@ -260,19 +338,44 @@ def _create_and_serve(store: Any, key: str, plan: NodePlan, deadline: float,
 # --------------------------------------------------------------------------- the other local ranks
 
 
-def _fetch(name: str, token: int, plan: NodePlan, slot: int, deadline: float) -> Tuple[int, List[int]]:
+def _connect(name: str, deadline: float, busy: Callable[[], str]) -> socket.socket:
+    """A connection to local rank 0's hand-over socket.  A full backlog is waited out in the kernel
+    (each ``accept`` wakes the waiting connects) until ``deadline``; then the error says the socket
+    was busy, and by whom (``busy()``: local rank 0's published count, or nothing)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        while True:
+            wait = min(1.0, max(0.01, deadline - time.monotonic()))
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(wait), int(wait % 1 * 1e6)))
+            try:
+                conn.connect(_SOCK_PREFIX + name.encode())
+                break
+            except OSError as exc:
+                if exc.errno != errno.EAGAIN:
+                    raise BackendError(f"cannot reach local rank 0's shared-memory hand-over socket: {exc.strerror} "
+                                       "(ranks with the same host identity in different network namespaces?)",
+                                       fix=FIX) from exc
+                if time.monotonic() >= deadline:
+                    counts = busy()
+                    raise BackendError("hand-over socket busy: local rank 0's shared-memory hand-over socket kept its "
+                                       "listen backlog full until the group timeout, so this rank could not connect"
+                                       + (f" (local rank 0 refused {counts})" if counts else ""),
+                                       fix=_BUSY_FIX) from exc
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
+        return conn
+    except BaseException:
+        conn.close()
+        raise
+
+
+def _fetch(name: str, token: int, plan: NodePlan, slot: int, deadline: float,
+           busy: Callable[[], str] = lambda: "") -> Tuple[int, List[int]]:
     """A peer: connect to local rank 0's socket, check it, receive and check the descriptors."""
     rank0 = plan.local[0]
     pid0 = plan.peer_pids.get(rank0)
     want = plan.local_size  # the segment and one socket per other local rank
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+    with _connect(name, deadline, busy) as conn:
         conn.settimeout(max(1.0, deadline - time.monotonic()))
-        try:
-            conn.connect(_SOCK_PREFIX + name.encode())
-        except OSError as exc:
-            raise BackendError(f"cannot reach local rank 0's shared-memory hand-over socket: {exc.strerror} "
-                               "(ranks with the same host identity in different network namespaces?)",
-                               fix=FIX) from exc
         problem = _cred_problem(conn, None if pid0 is None else {pid0})
         if problem is not None:
             raise BackendError(f"the process at the other end of the shared-memory hand-over (local rank 0) {problem}; "
@@ -306,7 +409,12 @@ def _attach(store: Any, key: str, plan: NodePlan, deadline: float) -> Tuple[Segm
     raw = _wait_key(store, key, deadline, "waiting for local rank 0's shared-memory segment",
                     lambda: None if pid0 is None or pid_alive(pid0) else f"local rank 0 (rank {rank0}, pid {pid0}) died")
     name, token, slot = parse_offer(raw, key)
-    fd, others = _fetch(name, token, plan, slot, deadline)
+
+    def busy() -> str:
+        key = f"busy/{rank0}"
+        return busy_text(parse_busy(store.get(key))) if store.check([key]) else ""
+
+    fd, others = _fetch(name, token, plan, slot, deadline, busy)
     peers = [j for j in range(plan.local_size) if j != plan.local_rank]
     socks = {j: socket.socket(fileno=f) for j, f in zip(peers, others)}
     try:

@@ -5,10 +5,15 @@ them.
 
 One thread per group moves the bytes (``selectors``: a send never waits for its receive, so two
 ranks that send to each other before they receive cannot deadlock).  A message is a header
-(tag, byte count) and the tensor's bytes.  A ``recv`` takes the first message from its source
-with its tag, in the order they were sent; a message that arrives before its ``recv`` is kept
-until one asks for it.  A peer that exits or dies closes its socket: every ``recv`` from it
-then fails at once.  A forked child closes its copies of the sockets at once.
+(kind, tag, byte count, element count, dtype) and the tensor's bytes.  A ``recv`` takes the
+first message from its source with its tag, in the order they were sent; a message that arrives
+before its ``recv`` is kept until one asks for it (also after the link closed).  Before a byte lands in the receiving tensor,
+the message's dtype and element count are compared with the tensor's: a difference fails that
+``recv`` naming both sides, and the receiver sends the same text back (a *refusal*) and closes
+its link with the sender; the sender's link closes with that text too, so its pending and later
+sends and receives with that rank raise it (its send itself has completed: it never waits for
+the receive).  A peer that exits or dies closes its socket: every ``recv`` from it then fails at
+once.  A forked child closes its copies of the sockets at once.
 """
 
 from __future__ import annotations
@@ -22,14 +27,16 @@ import struct
 import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Deque, Dict, Optional
+from typing import Any, Deque, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["PeerLinks"]
 
-_HEADER = struct.Struct("<qq")  # tag, bytes
+_HEADER = struct.Struct("<bqqq16s")  # kind, tag, bytes, elements, dtype
+_DATA, _REFUSAL = 0, 1
+_MAX_REFUSAL = 1 << 16
 _live: "weakref.WeakSet[PeerLinks]" = weakref.WeakSet()
 
 
@@ -47,6 +54,27 @@ class _Out:
     fut: "torch.futures.Future[Any]"
     keep: Any  # the tensor, alive until sent
     done: int = 0
+    more: bool = False  # the next item is the rest of this message (a header's payload)
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class _Facts:
+    """What a message holds (or a recv expects): its tag, element count and dtype."""
+
+    tag: int
+    numel: int
+    dtype: str
+
+    @staticmethod
+    def of(t: torch.Tensor, tag: int) -> "_Facts":
+        return _Facts(tag, t.numel(), _dtype(t))
+
+    def text(self) -> str:
+        return f"{self.numel} {self.dtype} element{'s' if self.numel != 1 else ''}"
 
 
 @dataclass
@@ -56,6 +84,8 @@ class _In:
     tag: int = 0
     data: Optional[memoryview] = None
     done: int = 0
+    facts: Optional[_Facts] = None  # a message being read: what its sender said it holds
+    refusal: bool = False  # a message being read: the peer's refusal of one of ours
 
 
 @dataclass
@@ -65,8 +95,11 @@ class _Peer:
     head: bytes = b""
     reading: Optional[_In] = None
     posted: Dict[int, Deque[_In]] = field(default_factory=lambda: collections.defaultdict(collections.deque))
-    arrived: Dict[int, Deque[bytes]] = field(default_factory=lambda: collections.defaultdict(collections.deque))
+    arrived: Dict[int, Deque[Tuple[_Facts, bytes]]] = field(
+        default_factory=lambda: collections.defaultdict(collections.deque))
     closed: Optional[str] = None
+    flushing: bool = False  # closed, but a refusal is still being written
+    mid: bool = False  # the items written so far end inside a message (its header went out)
 
 
 class PeerLinks:
@@ -94,9 +127,10 @@ class PeerLinks:
     def send(self, t: torch.Tensor, dst: int, tag: int) -> "torch.futures.Future[Any]":
         fut: torch.futures.Future = torch.futures.Future()
         payload = _bytes_of(t)
+        head = _HEADER.pack(_DATA, tag, len(payload), t.numel(), _dtype(t).encode())
         with self._lock:
             peer = self._peer(dst, "send to")
-            peer.out.append(_Out(memoryview(_HEADER.pack(tag, len(payload))), torch.futures.Future(), None))
+            peer.out.append(_Out(memoryview(head), torch.futures.Future(), None, more=True))
             peer.out.append(_Out(payload, fut, t))
         self._wake()
         return fut
@@ -104,12 +138,12 @@ class PeerLinks:
     def recv(self, t: torch.Tensor, src: int, tag: int) -> "torch.futures.Future[Any]":
         fut: torch.futures.Future = torch.futures.Future()
         with self._lock:
-            peer = self._peer(src, "receive from")
+            peer = self._peers[src]
             waiting = peer.arrived.get(tag)
-            if waiting:
-                self._deliver(_In(t, fut, tag), waiting.popleft(), src)
+            if waiting and not self._stop:  # a message that came before the link closed, if it did
+                self._deliver(peer, _In(t, fut, tag), *waiting.popleft(), src)
             else:
-                peer.posted[tag].append(_In(t, fut, tag))
+                self._peer(src, "receive from").posted[tag].append(_In(t, fut, tag))
         return fut
 
     def _peer(self, rank: int, what: str) -> _Peer:
@@ -120,15 +154,45 @@ class PeerLinks:
             raise dist.DistBackendError("the shm process group was shut down")
         return peer
 
-    def _deliver(self, want: _In, data: bytes, src: int) -> None:
-        target = _bytes_of(want.tensor)  # type: ignore[arg-type]
-        if len(target) != len(data):
-            want.fut.set_exception(dist.DistBackendError(  # type: ignore[union-attr]
-                f"shm: rank {self.rank} received {len(data)} bytes from rank {src} (tag {want.tag}) into a tensor "
-                f"of {len(target)} bytes: send and recv must use tensors of the same size"))
+    def _deliver(self, peer: _Peer, want: _In, facts: _Facts, data: bytes, src: int) -> None:
+        """A kept message to the recv that asked for it, once their dtypes and counts agree."""
+        if not self._agrees(peer, want, facts, src):
             return
-        target[:] = data
+        _bytes_of(want.tensor)[:] = data  # type: ignore[arg-type]
         want.fut.set_result([want.tensor])  # type: ignore[union-attr]
+
+    def _agrees(self, peer: _Peer, want: _In, facts: _Facts, src: int) -> bool:
+        """Does message ``facts`` fit the recv ``want``?  If not: fail it, refuse, close the link."""
+        expect = _Facts.of(want.tensor, want.tag)  # type: ignore[arg-type]
+        if facts == expect:
+            return True
+        why = (f"send/recv mismatch between rank {src} and rank {self.rank} (tag {facts.tag}): rank {src} sent "
+               f"{facts.text()}, rank {self.rank} receives {expect.text()}. A send and its recv must pass tensors "
+               "of the same dtype and element count; nothing was written into the receiving tensor, and the link "
+               "between the two ranks is closed")
+        want.fut.set_exception(dist.DistBackendError(f"shm: {why}"))  # type: ignore[union-attr]
+        self._refuse(peer, src, why)
+        return False
+
+    def _refuse(self, peer: _Peer, src: int, why: str) -> None:
+        """Tell ``src`` why (a refusal after any message half-written to it), then close the link."""
+        if peer.closed is not None:
+            return  # a message kept from before the link closed: the recv's error is enough
+        text = why.encode()[:_MAX_REFUSAL]
+        keep = []
+        if peer.out and (peer.mid or peer.out[0].done):  # a message half-written goes out whole
+            keep = list(peer.out)[:2 if peer.out[0].more else 1]
+        err = dist.DistBackendError(f"shm: {why}")
+        for item in list(peer.out)[len(keep):]:
+            if not item.fut.done():
+                item.fut.set_exception(err)
+        peer.out.clear()
+        peer.out.extend(keep)
+        peer.out.append(_Out(memoryview(_HEADER.pack(_REFUSAL, 0, len(text), 0, b"")), torch.futures.Future(), None,
+                             more=True))
+        peer.out.append(_Out(memoryview(text), torch.futures.Future(), None))
+        self._close_peer(peer, src, why, flush=True)
+        self._wake()
 
     def _wake(self) -> None:
         try:
@@ -144,6 +208,8 @@ class PeerLinks:
                 for r, p in self._peers.items():
                     if p.closed is None:
                         self._sel.modify(p.sock, selectors.EVENT_READ | (selectors.EVENT_WRITE if p.out else 0), r)
+                    elif p.flushing:
+                        self._sel.modify(p.sock, selectors.EVENT_WRITE, r)
             for key, events in self._sel.select(0.5):
                 if key.data is None:
                     try:
@@ -152,16 +218,20 @@ class PeerLinks:
                         pass
                     continue
                 with self._lock:
-                    peer = self._peers[key.data]
-                    if peer.closed is not None:
-                        continue
-                    try:
-                        if events & selectors.EVENT_WRITE:
-                            self._write(peer)
-                        if events & selectors.EVENT_READ:
-                            self._read(peer, key.data)
-                    except OSError as exc:
-                        self._close_peer(peer, key.data, f"its socket failed: {exc}")
+                    self._serve(self._peers[key.data], key.data, events)
+
+    def _serve(self, peer: _Peer, src: int, events: int) -> None:
+        if peer.closed is not None and not peer.flushing:
+            return
+        try:
+            if events & selectors.EVENT_WRITE:
+                self._write(peer)
+            if peer.flushing and not peer.out:
+                self._unregister(peer)  # the refusal went out
+            elif events & selectors.EVENT_READ and peer.closed is None:
+                self._read(peer, src)
+        except OSError as exc:
+            self._close_peer(peer, src, f"its socket failed: {exc}")
 
     def _write(self, peer: _Peer) -> None:
         while peer.out:
@@ -173,11 +243,12 @@ class PeerLinks:
                     return
             if item.done >= len(item.data):
                 peer.out.popleft()
+                peer.mid = item.more
                 if not item.fut.done():
                     item.fut.set_result([item.keep] if item.keep is not None else [])
 
     def _read(self, peer: _Peer, src: int) -> None:
-        while True:
+        while peer.closed is None:
             if peer.reading is None:
                 try:
                     got = peer.sock.recv(_HEADER.size - len(peer.head))
@@ -189,9 +260,11 @@ class PeerLinks:
                 peer.head += got
                 if len(peer.head) < _HEADER.size:
                     continue
-                tag, nbytes = _HEADER.unpack(peer.head)
+                kind, tag, nbytes, numel, dtype = _HEADER.unpack(peer.head)
                 peer.head = b""
-                peer.reading = self._start(peer, tag, nbytes)
+                peer.reading = self._start(peer, src, kind, _Facts(tag, numel, dtype.rstrip(b"\0").decode()), nbytes)
+                if peer.reading is None:
+                    return  # refused: the link is closed
             item = peer.reading
             if item.done < len(item.data):  # type: ignore[arg-type]
                 try:
@@ -206,26 +279,43 @@ class PeerLinks:
                 peer.reading = None
                 self._finish(peer, item, src)
 
-    def _start(self, peer: _Peer, tag: int, nbytes: int) -> _In:
-        posted = peer.posted.get(tag)
-        if posted and posted[0].tensor is not None and len(_bytes_of(posted[0].tensor)) == nbytes:
-            want = posted.popleft()
-            want.data = _bytes_of(want.tensor)  # type: ignore[arg-type]
-            return want
-        return _In(None, None, tag, memoryview(bytearray(nbytes)))
+    def _start(self, peer: _Peer, src: int, kind: int, facts: _Facts, nbytes: int) -> Optional[_In]:
+        """Where a message's bytes go: the recv that waits for it, if it agrees; else kept aside."""
+        if kind == _REFUSAL and 0 <= nbytes <= _MAX_REFUSAL:
+            return _In(None, None, facts.tag, memoryview(bytearray(nbytes)), refusal=True)
+        if kind != _DATA or nbytes < 0:
+            self._close_peer(peer, src, f"it sent a message of kind {kind} and {nbytes} bytes (not cpuddp's)")
+            return None
+        posted = peer.posted.get(facts.tag)
+        if not posted:
+            return _In(None, None, facts.tag, memoryview(bytearray(nbytes)), facts=facts)
+        want = posted.popleft()
+        if not self._agrees(peer, want, facts, src):
+            return None
+        want.data = _bytes_of(want.tensor)  # type: ignore[arg-type]
+        if len(want.data) != nbytes:  # the same dtype and count in other bytes: not cpuddp's sender
+            posted.appendleft(want)
+            self._close_peer(peer, src, f"it sent {nbytes} bytes for {facts.text()}")
+            return None
+        return want
 
     def _finish(self, peer: _Peer, item: _In, src: int) -> None:
+        if item.refusal:
+            self._close_peer(peer, src, bytes(item.data).decode(errors="replace"))  # type: ignore[arg-type]
+            return
         if item.fut is not None:
             item.fut.set_result([item.tensor])
             return
         posted = peer.posted.get(item.tag)
         if posted:
-            self._deliver(posted.popleft(), bytes(item.data), src)  # type: ignore[arg-type]
+            self._deliver(peer, posted.popleft(), item.facts, bytes(item.data), src)  # type: ignore[arg-type]
         else:
-            peer.arrived[item.tag].append(bytes(item.data))  # type: ignore[arg-type]
+            peer.arrived[item.tag].append((item.facts, bytes(item.data)))  # type: ignore[arg-type]
 
-    def _close_peer(self, peer: _Peer, src: int, why: str) -> None:
-        peer.closed = why
+    def _close_peer(self, peer: _Peer, src: int, why: str, flush: bool = False) -> None:
+        """No more messages with ``src``: every pending one fails with ``why`` (after a refusal
+        still to go out, with ``flush``, the socket stays registered for writing until it has)."""
+        peer.closed, peer.flushing = why, flush
         err = dist.DistBackendError(f"shm: rank {src} on this node: {why}")
         for queue_ in peer.posted.values():
             for want in queue_:
@@ -233,11 +323,17 @@ class PeerLinks:
                     want.fut.set_exception(err)
         if peer.reading is not None and peer.reading.fut is not None and not peer.reading.fut.done():
             peer.reading.fut.set_exception(err)
-        for item in peer.out:
-            if not item.fut.done():
-                item.fut.set_exception(err)
-        peer.out.clear()
+        peer.reading = None
+        if not flush:  # (with flush, the thread's loop registers the socket for writing only)
+            for item in peer.out:
+                if not item.fut.done():
+                    item.fut.set_exception(err)
+            peer.out.clear()
+            self._unregister(peer)
         peer.posted.clear()
+
+    def _unregister(self, peer: _Peer) -> None:
+        peer.flushing = False
         try:
             self._sel.unregister(peer.sock)
         except (KeyError, ValueError):
