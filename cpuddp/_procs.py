@@ -321,17 +321,24 @@ def read_text(path: str, start: int = 0) -> str:
 # --------------------------------------------------------------------------- the rank side
 
 
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+def die_with_parent(parent: Optional[int] = None) -> bool:
+    """Have the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``);
+    whether that is set.  ``parent``: the pid the parent must have -- checked after the call,
+    so a parent that died before it (this process re-parented to init or a subreaper) ends
+    this process here (exit code 1); without it, a parent of pid 1 counts as gone."""
     if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
+        return False
+    try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent is already gone
-            os._exit(1)
+        if libc.prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
+            return False
+    except Exception:
+        return False
+    if os.getppid() != parent if parent is not None else os.getppid() == 1:  # the parent is already gone
+        os._exit(1)
+    return True
 
 
 _stack_file: Any = None

@@ -153,7 +153,7 @@ def test_srun_command() -> None:
     plan = plan_run(SPR_LIKE, nodes=2)
     launch = srun_command(plan, "train.py", [], threads_per_core=2, python="py")
     assert launch.argv == ("srun", "--nodes=2", "--ntasks-per-node=2", "--ntasks=4", "--cpus-per-task=56",
-                           "--cpu-bind=cores", "py", "train.py")
+                           "--cpu-bind=cores", "py", "-m", "cpuddp.run.rank", "train.py")
     assert launch.env == {"OMP_NUM_THREADS": "28"}
 
 
@@ -161,13 +161,13 @@ def test_mpi_commands() -> None:
     plan = plan_run(SPR_LIKE, nodes=2, hosts=("a", "b"))
     mpich = mpi_command("mpich", "mpiexec", plan, ["a", "b"], "t.py", [], python="py").argv
     assert mpich == ("mpiexec", "-n", "4", "-ppn", "2", "-hosts", "a,b", "-bind-to", "core:28",
-                     "-genv", "OMP_NUM_THREADS", "28", "-genv", "MASTER_ADDR", "a", "py", "t.py")
+                     "-genv", "OMP_NUM_THREADS", "28", "-genv", "MASTER_ADDR", "a", "py", "-m", "cpuddp.run.rank", "t.py")
     impi = mpi_command("impi", "mpiexec", plan, ["a", "b"], "t.py", [], threads_per_core=2, python="py").argv
     assert impi[:7] == ("mpiexec", "-n", "4", "-ppn", "2", "-hosts", "a,b")
     assert ("-genv", "I_MPI_PIN_DOMAIN", "56:compact") == impi[13:16]
     ompi = mpi_command("openmpi", "mpirun", plan, ["a", "b"], "t.py", [], python="py").argv
     assert ompi == ("mpirun", "-np", "4", "--map-by", "ppr:2:node:PE=28", "--bind-to", "core", "--host", "a:2,b:2",
-                    "-x", "OMP_NUM_THREADS=28", "-x", "MASTER_ADDR=a", "py", "t.py")
+                    "-x", "OMP_NUM_THREADS=28", "-x", "MASTER_ADDR=a", "py", "-m", "cpuddp.run.rank", "t.py")
 
 
 @pytest.mark.parametrize("text, family", [
