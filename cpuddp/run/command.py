@@ -45,7 +45,7 @@ from cpuddp.affinity.job import RunPlan, RunPlanError, plan_run, plan_table
 from .rank import launcher_env
 from .settings import DEFAULTS, find_allocator, openmp_runtime, settings_env
 
-__all__ = ["add_arguments", "run", "prepare_job", "RunConfig"]
+__all__ = ["add_arguments", "run", "prepare_job", "check_script", "RunConfig"]
 
 SSH_PORT = 22
 HOST_CHECK_TIMEOUT = 3.0  # seconds for each host's ssh port to answer
@@ -202,6 +202,17 @@ def check_hosts(hosts: Sequence[str], resolve=socket.getaddrinfo, connect=socket
                     "or --no-host-check") from None
 
 
+def check_script(script: str) -> None:
+    """The script is a file here (``--dry-run`` too: a plan for a script that is not there is no
+    plan).  Every rank runs ``python SCRIPT args``: no module (``-m``), no other program."""
+    if os.path.isfile(script):
+        return
+    what = "is a directory" if os.path.isdir(script) else "does not exist"
+    raise RunPlanError(f"script {script!r} {what} (looked for {os.path.abspath(script)})",
+                       fix="the path of your training script, a Python file: every rank runs `python SCRIPT args` "
+                           "(for a module, pass a script that runs it: runpy.run_module('pkg.mod', run_name='__main__'))")
+
+
 # --------------------------------------------------------------------------- deciding
 
 
@@ -248,11 +259,8 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     """
     environ = os.environ if environ is None else environ
     cfg = RunConfig.from_args(args)
-    if not cfg.dry_run and not os.path.isfile(cfg.script):
-        print(f"cpuddp run: error: script {cfg.script!r} not found\nFix: the path of your training script",
-              file=sys.stderr)
-        return 2
     try:
+        check_script(cfg.script)
         plan, launch, names, notes = prepare_job(cfg, environ)
     except RunPlanError as exc:
         print(f"cpuddp run: error: {exc}", file=sys.stderr)
