@@ -31,7 +31,7 @@ Why not torch's ``torch.distributed.elastic.multiprocessing.start_processes``: i
 to ask a hung rank for its stack, it ends every rank as soon as one fails (``cpuddp.testing``
 waits a moment to find the root cause among several failures, and needs a crashed rank's
 native-crash stack), it takes its output through log files and ``@record`` error files, and
-it is an internal-ish API that changed between the torch releases cpuddp supports (2.8-2.13).
+it is an internal-ish API that changed between the torch releases cpuddp supports (2.8-2.14).
 """
 
 from __future__ import annotations
@@ -321,17 +321,24 @@ def read_text(path: str, start: int = 0) -> str:
 # --------------------------------------------------------------------------- the rank side
 
 
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``)."""
+def die_with_parent(parent: Optional[int] = None) -> bool:
+    """Have the kernel SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``);
+    whether that is set.  ``parent``: the pid the parent must have -- checked after the call,
+    so a parent that died before it (this process re-parented to init or a subreaper) ends
+    this process here (exit code 1); without it, a parent of pid 1 counts as gone."""
     if not sys.platform.startswith("linux"):
-        return
-    with contextlib.suppress(Exception):
+        return False
+    try:
         import ctypes
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        if os.getppid() == 1:  # the parent is already gone
-            os._exit(1)
+        if libc.prctl(1, signal.SIGKILL) != 0:  # PR_SET_PDEATHSIG
+            return False
+    except Exception:
+        return False
+    if os.getppid() != parent if parent is not None else os.getppid() == 1:  # the parent is already gone
+        os._exit(1)
+    return True
 
 
 _stack_file: Any = None

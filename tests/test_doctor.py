@@ -308,6 +308,30 @@ def test_too_many_ranks_name_the_option_and_the_fix() -> None:
     assert "--ranks" in report["job"]["fix"] and "fix: --ranks" in format_text(report)
 
 
+def test_too_many_ranks_is_a_warning_and_exits_2(capsys) -> None:
+    """Issue 37 #9: `doctor --ranks 4` on 2 CPUs said "not available ... fix: --ranks 2", then
+    "Warnings: none", and exited 0."""
+    report = collect({}, ranks=999)
+    (w,) = [w for w in report["warnings"] if w["code"] == "job-plan"]
+    assert "--ranks 999 is more ranks" in w["message"] and w["fix"].startswith("--ranks ")
+    assert "Warnings: none" not in format_text(report)
+    assert doctor.main(["--ranks", "999"]) == doctor.EXIT_REQUEST == 2  # a request that cannot be met
+    listed = capsys.readouterr().out.split("\nWarnings:")[1]
+    assert not listed.startswith(" none") and "--ranks 999 is more ranks" in listed, listed
+    assert doctor.main(["--ranks", "1", "--json"]) == 0  # one rank always fits
+    assert "job-plan" not in capsys.readouterr().out
+
+
+def test_job_plan_rule() -> None:
+    from cpuddp.doctor.diagnose import job_warnings
+
+    assert job_warnings(None) == [] and job_warnings({"available": True, "ranks": 2}) == []
+    (w,) = job_warnings({"available": False, "ranks": None, "error": "OMP_NUM_THREADS=23 contradicts the plan",
+                         "fix": "unset it"})
+    assert w == {"code": "job-plan", "message": "`cpuddp run`'s default plan cannot run here: OMP_NUM_THREADS=23 "
+                 "contradicts the plan", "fix": "unset it"}
+
+
 def test_the_default_job_is_cpuddp_runs_default() -> None:
     from cpuddp.affinity.job import plan_run
     from cpuddp.topology.read import read_topology

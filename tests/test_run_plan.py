@@ -153,7 +153,7 @@ def test_srun_command() -> None:
     plan = plan_run(SPR_LIKE, nodes=2)
     launch = srun_command(plan, "train.py", [], threads_per_core=2, python="py")
     assert launch.argv == ("srun", "--nodes=2", "--ntasks-per-node=2", "--ntasks=4", "--cpus-per-task=56",
-                           "--cpu-bind=cores", "py", "train.py")
+                           "--cpu-bind=cores", "py", "-m", "cpuddp.run.rank", "train.py")
     assert launch.env == {"OMP_NUM_THREADS": "28"}
 
 
@@ -161,13 +161,13 @@ def test_mpi_commands() -> None:
     plan = plan_run(SPR_LIKE, nodes=2, hosts=("a", "b"))
     mpich = mpi_command("mpich", "mpiexec", plan, ["a", "b"], "t.py", [], python="py").argv
     assert mpich == ("mpiexec", "-n", "4", "-ppn", "2", "-hosts", "a,b", "-bind-to", "core:28",
-                     "-genv", "OMP_NUM_THREADS", "28", "-genv", "MASTER_ADDR", "a", "py", "t.py")
+                     "-genv", "OMP_NUM_THREADS", "28", "-genv", "MASTER_ADDR", "a", "py", "-m", "cpuddp.run.rank", "t.py")
     impi = mpi_command("impi", "mpiexec", plan, ["a", "b"], "t.py", [], threads_per_core=2, python="py").argv
     assert impi[:7] == ("mpiexec", "-n", "4", "-ppn", "2", "-hosts", "a,b")
     assert ("-genv", "I_MPI_PIN_DOMAIN", "56:compact") == impi[13:16]
     ompi = mpi_command("openmpi", "mpirun", plan, ["a", "b"], "t.py", [], python="py").argv
     assert ompi == ("mpirun", "-np", "4", "--map-by", "ppr:2:node:PE=28", "--bind-to", "core", "--host", "a:2,b:2",
-                    "-x", "OMP_NUM_THREADS=28", "-x", "MASTER_ADDR=a", "py", "t.py")
+                    "-x", "OMP_NUM_THREADS=28", "-x", "MASTER_ADDR=a", "py", "-m", "cpuddp.run.rank", "t.py")
 
 
 @pytest.mark.parametrize("text, family", [
@@ -291,7 +291,7 @@ def test_dry_run_is_fast_and_imports_no_torch() -> None:
     assert res.returncode == 0, res.stderr
     assert "torch.distributed.run" in res.stdout and "--steps 5" in res.stdout and "threads" in res.stdout
     assert took < 3.0, f"--dry-run took {took:.2f} s"  # about 0.3 s here; slack for a loaded machine
-    imp = subprocess.run([sys.executable, "-X", "importtime", "-m", "cpuddp", "run", "--dry-run", "x.py"],
+    imp = subprocess.run([sys.executable, "-X", "importtime", "-m", "cpuddp", "run", "--dry-run", "examples/finetune.py"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     imported = {line.split("|")[-1].strip() for line in imp.stderr.splitlines() if line.startswith("import time:")}
     assert not {m for m in imported if re.match(r"(torch|numpy)(\.|$)", m)}, "cpuddp run --dry-run imported torch/numpy"
@@ -300,17 +300,28 @@ def test_dry_run_is_fast_and_imports_no_torch() -> None:
 def test_cli_refuses_before_starting() -> None:
     res = _cli("--ranks-per-node", "999", "examples/finetune.py")
     assert res.returncode == 2 and "--ranks-per-node 999 is more ranks" in res.stderr and "Fix:" in res.stderr
-    res = _cli("--dry-run", "--hosts", "localhost", "--launcher", "/nonexistent/mpiexec", "t.py")
+    res = _cli("--dry-run", "--hosts", "localhost", "--launcher", "/nonexistent/mpiexec", "examples/finetune.py")
     assert res.returncode == 2 and "'/nonexistent/mpiexec' is not an executable file" in res.stderr
-    res = _cli("--dry-run", "--hosts", "localhost", "t.py", env={"PATH": "/nonexistent"})
+    res = _cli("--dry-run", "--hosts", "localhost", "examples/finetune.py", env={"PATH": "/nonexistent"})
     assert res.returncode == 2 and "none is installed" in res.stderr and "pip install mpich" in res.stderr
     res = _cli("--dry-run", "examples/finetune.py", env={"OMP_NUM_THREADS": "23"})
     assert res.returncode == 2 and "OMP_NUM_THREADS=23 contradicts the plan" in res.stderr
 
 
+def test_cli_refuses_a_script_that_is_not_there_dry_run_too(tmp_path) -> None:
+    """Issue 37 #9: `cpuddp run --dry-run nosuch.py` printed a plan for a script that does not exist."""
+    for flags in (["--dry-run"], []):
+        res = _cli(*flags, "nosuch.py", "--lr", "1")
+        assert res.returncode == 2 and res.stdout == "", res.stdout  # no plan, no command
+        assert f"script 'nosuch.py' does not exist (looked for {ROOT / 'nosuch.py'})" in res.stderr, res.stderr
+        assert "Fix: the path of your training script" in res.stderr, res.stderr
+    res = _cli("--dry-run", str(tmp_path))
+    assert res.returncode == 2 and f"script {str(tmp_path)!r} is a directory" in res.stderr, res.stderr
+
+
 def test_cli_in_a_slurm_allocation_from_a_login_node() -> None:
     env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_CPUS_PER_NODE": "4(x2)", "PATH": os.environ["PATH"]}
-    res = _cli("--dry-run", "t.py", env=env)
+    res = _cli("--dry-run", "examples/finetune.py", env=env)
     if res.returncode == 2 and "srun is not on PATH" in res.stderr:
         pytest.skip("no srun here: " + res.stderr)
     assert res.returncode == 0, res.stderr
@@ -412,10 +423,10 @@ def test_cli_hostfile_slots_set_the_ranks_per_node(tmp_path) -> None:
     fake.chmod(0o755)
     hostfile = tmp_path / "hosts"
     hostfile.write_text("localhost:1\n")
-    res = _cli("--dry-run", "--no-host-check", "--hostfile", str(hostfile), "--launcher", str(fake), "t.py")
+    res = _cli("--dry-run", "--no-host-check", "--hostfile", str(hostfile), "--launcher", str(fake), "examples/finetune.py")
     assert res.returncode == 0, res.stderr
     assert "--ranks-per-node" not in res.stdout and "1 rank(s): 1 node(s) x 1" in res.stdout
     assert " -n 1 -ppn 1 -hosts localhost " in res.stdout
     hostfile.write_text("fd00::2\n[fd00::3]:2\n")
-    res = _cli("--dry-run", "--no-host-check", "--hostfile", str(hostfile), "--launcher", str(fake), "t.py")
+    res = _cli("--dry-run", "--no-host-check", "--hostfile", str(hostfile), "--launcher", str(fake), "examples/finetune.py")
     assert res.returncode == 2 and "gives slot counts for some hosts (fd00::3:2) but not for fd00::2" in res.stderr

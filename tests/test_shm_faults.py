@@ -482,7 +482,8 @@ def _shutdown_in_flight():
 
     import cpuddp
 
-    works = [dist.all_reduce(torch.ones(1 << 20), async_op=True) for _ in range(10)]
+    tensors = [torch.ones(1 << 20) for _ in range(10)]
+    works = [dist.all_reduce(t, async_op=True) for t in tensors]
     start = time.monotonic()
     cpuddp.shutdown()
     outcomes = []
@@ -492,15 +493,21 @@ def _shutdown_in_flight():
             outcomes.append("done")
         except Exception as exc:  # noqa: BLE001
             outcomes.append(f"error: {exc}")
-    return {"shutdown_s": time.monotonic() - start, "outcomes": outcomes}
+    sums = [t.min().item() if bool((t == t[0]).all()) else -1.0 for t in tensors]  # -1: not one value throughout
+    return {"shutdown_s": time.monotonic() - start, "outcomes": outcomes, "sums": sums}
 
 
 @pytest.mark.parametrize("thread", ["0", "1"])
-def test_shutdown_with_work_in_flight_neither_hangs_nor_loses_an_error(thread):
+def test_shutdown_with_work_in_flight_finishes_it_first(thread):
+    """``shutdown()`` with ten all-reduces in flight on every rank: the stream runs its queue to
+    the end before the rank leaves (``Stream.close`` joins the thread, then the state word says
+    "left"), so each Work completes -- and with its result.  Issue 37 #8: the test accepted
+    "done" or any error, which every run produces."""
     res = run_distributed(_shutdown_in_flight, 2, backend="shm", timeout=120, env={"CPUDDP_SHM_ASYNC": thread})
     for r in res:
         assert r["shutdown_s"] < 15, r
-        assert len(r["outcomes"]) == 10 and all(o == "done" or o.startswith("error") for o in r["outcomes"]), r
+        assert r["outcomes"] == ["done"] * 10, r
+        assert r["sums"] == [2.0] * 10, r  # each all-reduce of ones over 2 ranks, whole
 
 
 # --------------------------------------------------------------------------- soak
@@ -519,24 +526,33 @@ def _soak(rounds: int):
                 len(os.listdir("/proc/self/task")))
 
     sizes = (1, 255, 4096, 65536, 300001, 1 << 20, 5 << 20)
+    ramps = {n: torch.arange(n, dtype=torch.float32) % 1021 for n in sizes}  # a prime: no chunk looks like the next
     mark = None
     for i in range(rounds):
         numel = sizes[i % len(sizes)]
-        x = torch.full((numel,), float(rank + 1 + i % 3))
+        scale = 1 + i % 3
+        # every element differs from its neighbours and between rounds; sums stay exact in float32
+        x = ramps[numel] + (rank + 1) * scale
         w = dist.all_reduce(x, async_op=bool(i % 2))
         if w is not None:
             w.wait()
-        want = 2 * (1 + i % 3) + 1
-        assert x[0].item() == x[-1].item() == want, (i, numel, x[0].item())
+        want = 2 * ramps[numel] + 3 * scale
+        if not torch.equal(x, want):
+            bad = (x != want).nonzero().flatten()
+            raise AssertionError(f"round {i}, {numel} elements: {bad.numel()} wrong, the first at {bad[0].item()}: "
+                                 f"{x[bad[0]].item()} != {want[bad[0]].item()}")
         if i % 97 == 0:
-            b = torch.tensor([i])
+            b = torch.tensor([i * 10 + rank])
             dist.broadcast(b, src=0)
+            assert b.item() == i * 10, (i, b.item())
         if i == rounds // 4:
             mark = usage()
     return {"mark": mark, "end": usage()}
 
 
 def test_soak_results_right_and_memory_descriptors_threads_flat():
+    """1,400 all-reduces of 1 to 5 M elements, every element checked against its exact sum
+    (issue 37 #8: the soak checked the first and last element of constant tensors)."""
     res = run_distributed(_soak, 2, args=(1400,), backend="shm", timeout=240)
     for r in res:
         (rss0, fds0, th0), (rss1, fds1, th1) = r["mark"], r["end"]

@@ -75,21 +75,41 @@ def test_a_forked_child_neither_uses_nor_ends_the_parents_group(tmp_path):
         assert r["after_loader"].get("ok") == 3.0, r
 
 
+#: Seconds the namespace's PID 1 lives on after rank 1 exits.  When PID 1 exits, the kernel kills
+#: every process of the namespace -- the forked child too, and with it any lock it inherited -- so
+#: it must outlive the rank, or the test could not fail (issue 37 #8: it exited with the rank).
+PID1_LINGER = 6
+
+
 def _pid_namespace_prefix() -> tuple:
-    # sh stays PID 1 of the namespace, so the rank's forked child outlives the rank
-    return (*unshare_pid_or_skip(), "sh", "-c", '"$@"; exit $?', "sh")
+    # sh is PID 1 of the namespace; it stays PID1_LINGER s after the rank, and the forked child with it
+    return (*unshare_pid_or_skip(), "sh", "-c", f'"$@"; code=$?; sleep {PID1_LINGER}; exit $code', "sh")
 
 
-@pytest.mark.parametrize("namespace", [False, True], ids=["same-pid-namespace", "own-pid-namespace"])
+#: A real bug of backends/shm/segment.py, found when this test could fail (issue 37 #8); the fix is
+#: segment.py's owner's.  Strict: the test fails once it passes, so the mark goes with the fix.
+LOCK_INHERITED = pytest.mark.xfail(strict=True, reason=(
+    "segment.py: the forked child keeps rank 1's liveness lock -- Python's mmap holds its own dup of the "
+    "segment's descriptor (same open file description, which holds the OFD lock); the at-fork handler "
+    "closes only Segment.fd, so rank 0 sees rank 1 die only when the child ends"))
+
+
+@pytest.mark.parametrize("namespace", [False, pytest.param(True, marks=LOCK_INHERITED)],
+                         ids=["same-pid-namespace", "own-pid-namespace"])
 def test_a_rank_whose_forked_child_outlives_it_is_seen_dead_at_once(tmp_path, namespace):
+    """Rank 1 forks a child that lives on, then dies; rank 0 must see the death at once.  In
+    another PID namespace rank 0 has no pid to look at, only rank 1's liveness lock: a child that
+    kept it would keep rank 1 "alive" until the child ends."""
     prefix = _pid_namespace_prefix() if namespace else ()
-    r0, r1 = _plain("fork_then_die", tmp_path, prefix1=prefix)
+    r0, r1 = _plain("fork_then_die", tmp_path, prefix1=prefix, timeout=120 + PID1_LINGER)
     assert r0.get("first", {}).get("ok") == 3.0, (r0, r1)
     if namespace:
         assert r0["pid_ns"] != r1.get("pid_ns"), "rank 1 did not run in a PID namespace of its own"
     second = r0["second"]
     assert "died" in second.get("error", ""), r0
     assert second["seconds"] < 2, r0  # not the group timeout (60 s): the liveness lock went with rank 1
+    beat = float((tmp_path / "child.alive").read_text())
+    assert beat >= r0["second_done_at"], "the forked child was gone before rank 0 saw rank 1's death: nothing was tested"
 
 
 # --------------------------------------------------------------------------- a stalled hand-over

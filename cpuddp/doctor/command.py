@@ -34,7 +34,9 @@ built-in backends are therefore listed unprobed unless ``--torch`` is given.  on
 whose version names another torch get the verdict ``init_distributed`` uses: an import probe
 in a child process (:mod:`cpuddp.backends.ccl_probe`; a few seconds the first time, cached after).  It forms no process group and changes nothing.  A section
 whose module fails is reported as "not available" with the reason; the rest still runs.
-Exit codes: 0 (report printed), 3 with ``--strict`` when there are warnings.
+Exit codes: 0 (report printed); 2 for a ``--ranks`` that cannot be met -- below 1, or more
+than this node runs (the report is printed, with the ``job-plan`` warning and its fix); 3 with
+``--strict`` when there are warnings.
 
 The probes are in :mod:`cpuddp.doctor.collect`, the warning rules (pure, each warning a
 ``{"code", "message", "fix"}`` record) in :mod:`cpuddp.doctor.diagnose`, the text in
@@ -65,11 +67,15 @@ from .collect import (
     _torch_probes,
     torch_matches,
 )
-from .diagnose import diagnose, version_warnings
+from .diagnose import diagnose, job_warnings, version_warnings
 from .text import format_text
 
 __all__ = ["collect", "diagnose", "format_text", "add_arguments", "run", "main", "DoctorConfig"]
 
+#: A request that cannot be met: ``--ranks`` below 1, or more than this node can run (the report
+#: is printed first); ``cpuddp run`` exits 2 for the same plan.
+EXIT_REQUEST = 2
+#: ``--strict`` and at least one warning.
 EXIT_WARNINGS = 3
 
 #: Thread and affinity variables worth showing.
@@ -154,7 +160,7 @@ def _warnings(report: Mapping[str, Any], environ: Mapping[str, str]) -> list[dic
     )
     if isinstance(report["versions"], dict):
         out += version_warnings(report["versions"])
-    return out
+    return out + job_warnings(report.get("job"))
 
 
 def _quiet_rank(environ: Mapping[str, str]) -> bool:
@@ -204,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = DoctorConfig.from_args(args)
     if cfg.ranks is not None and cfg.ranks < 1:
         sys.stderr.write(f"cpuddp doctor: error: --ranks {cfg.ranks}: must be at least 1\nFix: --ranks 2, say\n")
-        return 2
+        return EXIT_REQUEST
     if not cfg.all_ranks and _quiet_rank(os.environ):
         return 0
     report = collect(probe_torch=cfg.probe_torch, ranks=cfg.ranks)
@@ -212,6 +218,9 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")
     else:
         sys.stdout.write(format_text(report))
+    job = report.get("job")
+    if cfg.ranks is not None and isinstance(job, dict) and job.get("available") is False:
+        return EXIT_REQUEST  # the job asked for cannot run here; the report and its warning say why
     return EXIT_WARNINGS if cfg.strict and report["warnings"] else 0
 
 

@@ -14,6 +14,8 @@ Each warning is a record ``{"code", "message", "fix"}`` with a stable code:
 ``master-addr-missing``  a multi-node job without ``MASTER_ADDR``
 ``master-addr-loopback`` a multi-node job whose ``MASTER_ADDR`` is loopback
 ``version-mismatch``     IPEX or the oneCCL bindings built for another torch
+``job-plan``             from a shell: the job asked for (``--ranks N``, or ``cpuddp run``'s
+                         default plan) cannot run on this node
 =======================  =================================================================
 
 Nothing here parses prose: the planner's warnings arrive as records (``PinPlan.as_dict()``'s
@@ -27,7 +29,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from cpuddp.topology import here
 
-__all__ = ["diagnose", "version_warnings"]
+__all__ = ["diagnose", "version_warnings", "job_warnings"]
 
 def _int_or_none(text: Optional[str]) -> Optional[int]:
     try:
@@ -212,3 +214,13 @@ def version_warnings(versions: Mapping[str, Any]) -> list[dict[str, str]]:
             f"install the {name} release for torch {versions['torch']} or the torch it was built for, "
             f"or uninstall {name}"))
     return out
+
+
+def job_warnings(job: Optional[Mapping[str, Any]]) -> list[dict[str, str]]:
+    """``job-plan`` when the report's ``job`` section (a job here, from a shell) is not available:
+    the plan's own refusal and fix, or why the section could not be made."""
+    if not isinstance(job, Mapping) or job.get("available", True):
+        return []
+    why = job.get("error") or "no plan"
+    message = why if job.get("ranks") else f"`cpuddp run`'s default plan cannot run here: {why}"
+    return [_warn("job-plan", message, job.get("fix") or "see the section 'A job here' above")]

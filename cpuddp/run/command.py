@@ -14,7 +14,8 @@ It reads the node's topology (:mod:`cpuddp.topology`), plans the ranks
 engine that is there (:mod:`cpuddp.run.launch`: torchrun's elastic agent on one node, srun in
 a Slurm allocation, the MPI launcher for a host list), adds the runtime settings
 (:mod:`cpuddp.run.settings`), prints the plan as a table and the exact command, then replaces
-itself with that command (its exit code is the launcher's).  Each rank's
+itself with that command (its exit code is the launcher's), exporting its pid and host so that
+every rank ends when that launcher dies (:func:`cpuddp.run.rank.end_with_launcher`).  Each rank's
 ``init_distributed()`` then pins as planned.  A request that cannot be met ends here, before
 anything starts, with the value and the fix (exit code 2).  ``--dry-run`` never imports torch.
 
@@ -41,9 +42,10 @@ from cpuddp.topology.read import read_topology
 from .hosts import HostEntry, parse_hostfile, parse_hosts_option, ranks_from_slots
 from .launch import MPI_NAMES, Launch, command_text, mpi_command, mpi_family, srun_command, torchrun_command
 from cpuddp.affinity.job import RunPlan, RunPlanError, plan_run, plan_table
+from .rank import launcher_env
 from .settings import DEFAULTS, find_allocator, openmp_runtime, settings_env
 
-__all__ = ["add_arguments", "run", "prepare_job", "RunConfig"]
+__all__ = ["add_arguments", "run", "prepare_job", "check_script", "RunConfig"]
 
 SSH_PORT = 22
 HOST_CHECK_TIMEOUT = 3.0  # seconds for each host's ssh port to answer
@@ -200,6 +202,17 @@ def check_hosts(hosts: Sequence[str], resolve=socket.getaddrinfo, connect=socket
                     "or --no-host-check") from None
 
 
+def check_script(script: str) -> None:
+    """The script is a file here (``--dry-run`` too: a plan for a script that is not there is no
+    plan).  Every rank runs ``python SCRIPT args``: no module (``-m``), no other program."""
+    if os.path.isfile(script):
+        return
+    what = "is a directory" if os.path.isdir(script) else "does not exist"
+    raise RunPlanError(f"script {script!r} {what} (looked for {os.path.abspath(script)})",
+                       fix="the path of your training script, a Python file: every rank runs `python SCRIPT args` "
+                           "(for a module, pass a script that runs it: runpy.run_module('pkg.mod', run_name='__main__'))")
+
+
 # --------------------------------------------------------------------------- deciding
 
 
@@ -246,11 +259,8 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     """
     environ = os.environ if environ is None else environ
     cfg = RunConfig.from_args(args)
-    if not cfg.dry_run and not os.path.isfile(cfg.script):
-        print(f"cpuddp run: error: script {cfg.script!r} not found\nFix: the path of your training script",
-              file=sys.stderr)
-        return 2
     try:
+        check_script(cfg.script)
         plan, launch, names, notes = prepare_job(cfg, environ)
     except RunPlanError as exc:
         print(f"cpuddp run: error: {exc}", file=sys.stderr)
@@ -261,5 +271,6 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     sys.stdout.flush()
     if cfg.dry_run:
         return 0
-    os.execvpe(launch.argv[0], list(launch.argv), {**environ, **launch.env})
+    # The launcher keeps this pid: each rank ends when it dies (cpuddp.run.rank.end_with_launcher).
+    os.execvpe(launch.argv[0], list(launch.argv), {**environ, **launch.env, **launcher_env()})
     return 1  # pragma: no cover - exec does not return

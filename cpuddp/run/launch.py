@@ -14,6 +14,10 @@
   (``mpiexec -n -ppn -hosts``, ``I_MPI_PIN_DOMAIN``), MPICH's Hydra (``-bind-to core:C``),
   Open MPI (``mpirun -np --map-by ppr:N:node:PE=C --bind-to core --host h:N``).
 
+Every engine starts each rank as ``python -m cpuddp.run.rank script.py args``: it ends the
+rank when the launcher dies (:func:`cpuddp.run.rank.end_with_launcher`), then runs the script
+as ``python script.py args`` would.
+
 Everything here is a function of plain data (the plan, the options, an environment mapping,
 the launcher's version text); :mod:`cpuddp.run` gathers the data and starts the command.
 """
@@ -68,7 +72,8 @@ def command_text(launch: Launch) -> str:
 
 
 def _rank_argv(script: str, args: Sequence[str], python: str) -> list[str]:
-    return [python, script, *args]
+    """Each rank of every engine: the script through :mod:`cpuddp.run.rank` (it ends the rank with its launcher)."""
+    return [python, "-m", "cpuddp.run.rank", script, *args]
 
 
 def torchrun_command(plan: RunPlan, script: str, args: Sequence[str], *, max_restarts: int = 0,

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpuddp.errors import CheckpointError, PrepareError
+from cpuddp.ranks import get_rank
 from cpuddp.ranks import group_rank_world as _rank_world
 
 from . import precision
@@ -98,7 +99,7 @@ def _cpu_runs_bf16() -> bool:
     """prepare's bf16 decision for this CPU, with its fp32 fall-back warning."""
     ok, why = precision.cpu_bf16_support()
     dtype, reason = precision.decide_precision("bf16", strict=False, cpu_bf16=ok, reason=why)
-    if dtype is None:
+    if dtype is None and get_rank() == 0:  # once per job, not per rank
         warnings.warn(f"cpuddp.autocast_for: {reason}", stacklevel=3)
     return dtype is not None
 

@@ -73,6 +73,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpuddp.errors import PrepareError
+from cpuddp.ranks import get_rank
 
 from .comm import bf16_allreduce_hook, bf16_allreduce_supported, check_comm_hook
 from .distribute import compile_model, distribute
@@ -260,7 +261,7 @@ def _choose_precision(mixed_precision: Optional[str], strict: bool) -> tuple[Opt
     """The autocast dtype and why; warns when bf16 was asked for but fp32 it is."""
     cpu_bf16, cpu_reason = cpu_bf16_support() if mixed_precision in ("bf16", "auto") else (False, "")
     dtype, reason = decide_precision(mixed_precision, strict=strict, cpu_bf16=cpu_bf16, reason=cpu_reason)
-    if mixed_precision == "bf16" and dtype is None:
+    if mixed_precision == "bf16" and dtype is None and get_rank() == 0:  # once per job, not per rank
         warnings.warn(f"cpuddp.prepare: {reason}", stacklevel=3)
     _log.info("precision: %s", reason)
     return dtype, reason

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from cpuddp.errors import PrepareError
+from cpuddp.ranks import log0
 
 __all__ = [
     "SHARD_MODES",
@@ -339,7 +340,7 @@ def apply_full(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], *, 
         _rebind(optimizer, model, opt_names)
     if running_allocator() == "glibc":
         notes.append(f"malloc: glibc's; {GLIBC_NOTE}")
-        _log.warning("cpuddp: shard='full' on glibc's malloc: %s", GLIBC_NOTE)
+        log0("cpuddp: shard='full' on glibc's malloc: %s", GLIBC_NOTE, level=logging.WARNING, logger=_log)
     kind = f"HSDP {mesh_shape[0]} replicas x {mesh_shape[1]} shards" if mesh_shape[0] > 1 else f"{mesh_shape[1]} shards"
     notes.append(f"shard='full': FSDP2 over {kind}, {len(found)} block(s) + the rest"
                  + (", bf16 parameters with fp32 gradient reduction" if bf16 else ""))

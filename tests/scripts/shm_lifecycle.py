@@ -9,8 +9,9 @@ Modes:
   the group's "shut down" error.
 * ``fork``: a forked child may not use the parent's group, and its normal exit (atexit
   included) must not mark the parent as gone; a DataLoader with fork workers trains.
-* ``fork_then_die``: rank 1 forks a child that outlives it, then dies; rank 0 must learn of the
-  death at once (rank 1 may run in a PID namespace of its own).
+* ``fork_then_die``: rank 1 forks a child that outlives it (it writes the time to
+  ``OUTDIR/child.alive`` every 0.05 s for :data:`CHILD_LIFE` s), then dies; rank 0 must learn of
+  the death at once (rank 1 may run in a PID namespace of its own).
 """
 
 import json
@@ -26,6 +27,7 @@ import cpuddp
 from cpuddp.errors import BackendError, GroupShutDownError
 
 mode, outdir = sys.argv[1], sys.argv[2]
+CHILD_LIFE = 8.0  # seconds the forked child of fork_then_die lives on
 report: dict = {}
 
 
@@ -119,14 +121,21 @@ def fork_then_die() -> int:
     env = cpuddp.init_distributed("shm", timeout=60)
     step("first", collectives)
     if env.rank == 1:
-        if os.fork() == 0:  # outlives its parent, holding whatever it inherited
-            time.sleep(20)
+        if os.fork() == 0:  # outlives its parent, holding whatever it inherited; says it lives
+            beat = os.path.join(outdir, "child.alive")
+            end = time.monotonic() + CHILD_LIFE
+            while time.monotonic() < end:
+                with open(beat + ".tmp", "w") as f:
+                    f.write(repr(time.time()))
+                os.replace(beat + ".tmp", beat)
+                time.sleep(0.05)
             os._exit(0)
         time.sleep(0.5)
         report["pid_ns"] = os.stat("/proc/self/ns/pid").st_ino
         done(1, 9)  # dies without leaving the group
     time.sleep(1.0)
     step("second", collectives)
+    report["second_done_at"] = time.time()  # the child's heartbeat must be as late: it lived on
     report["pid_ns"] = os.stat("/proc/self/ns/pid").st_ino
     return env.rank
 
