@@ -110,6 +110,24 @@ def test_keep_the_newest_k_and_private_files(tmp_path) -> None:
     assert load_checkpoint(os.path.join(d, "step-000000003.pt"), model=model).step == 3  # a named one
 
 
+def test_keep_counts_along_the_line_that_was_resumed(tmp_path) -> None:
+    """Issue 37 #2: save 10 and 20, resume from 10, save 15 with keep=1.  The new checkpoint must
+    stay (20 belongs to the line this run abandoned: moved aside, not counted, not resumed)."""
+    model, _, opt, _, _ = _setup(wrap=False)
+    d = str(tmp_path / "ck")
+    p10 = save_checkpoint(d, step=10, model=model, optimizer=opt)
+    save_checkpoint(d, step=20, model=model, optimizer=opt)
+    assert load_checkpoint(p10, model=model, optimizer=opt).step == 10
+    p15 = save_checkpoint(d, step=15, model=model, optimizer=opt, keep=1)
+    assert os.path.exists(p15) and list_checkpoints(d) == [p15]
+    assert load_checkpoint(d, model=model, optimizer=opt).step == 15
+    (aside,) = [n for n in os.listdir(d) if n.startswith("abandoned-at-step-000000015.")]
+    assert os.listdir(os.path.join(d, aside)) == ["step-000000020.pt"]  # kept for the user, out of the line
+    assert load_checkpoint(os.path.join(d, aside, "step-000000020.pt"), model=model).step == 20
+    p30 = save_checkpoint(d, step=30, model=model, keep=1)  # the line goes on; the aside is never pruned
+    assert list_checkpoints(d) == [p30] and os.listdir(os.path.join(d, aside)) == ["step-000000020.pt"]
+
+
 def test_wrong_arguments_are_clear_errors(tmp_path) -> None:
     model, _, opt, sched, loader = _setup(wrap=False)
     d = str(tmp_path)
