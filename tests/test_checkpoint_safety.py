@@ -293,3 +293,15 @@ def test_the_newest_is_chosen_among_our_own_files(tmp_path) -> None:
     assert load_checkpoint(str(d), model=model).step == 100
     os.unlink(d / ".cpuddp-checkpoints.json")  # without the record: ownership still decides
     assert load_checkpoint(str(d), model=model).step == 100
+
+
+def test_check_permissions_false_still_saves_keeps_and_loads(tmp_path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.warns(UserWarning, match="writable by everyone"):
+        for step in (1, 2, 3):
+            save_checkpoint(str(shared), step=step, model=_model(), keep=2, check_permissions=False)
+        assert load_checkpoint(str(shared), model=_model(), check_permissions=False).step == 3
+        kept = list_checkpoints(str(shared), check_permissions=False)
+    assert [os.path.basename(p) for p in kept] == ["step-000000002.pt", "step-000000003.pt"]

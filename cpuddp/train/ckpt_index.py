@@ -99,9 +99,9 @@ def read_record(directory: str, check_permissions: bool = True) -> Optional[set[
     return set(names)
 
 
-def _write_record(directory: str, names: set[str]) -> None:
+def _write_record(directory: str, names: set[str], check_permissions: bool) -> None:
     data = json.dumps({"format": RECORD_FORMAT, "checkpoints": sorted(names)}, indent=1).encode()
-    write_atomically(os.path.join(directory, RECORD_FILE), lambda f: f.write(data))
+    write_atomically(os.path.join(directory, RECORD_FILE), lambda f: f.write(data), check_permissions=check_permissions)
 
 
 # --------------------------------------------------------------------------- the listing
@@ -167,22 +167,23 @@ def checkpoints(directory: str, *, check_permissions: bool = True, others: bool 
 # --------------------------------------------------------------------------- changes (rank 0, locked)
 
 
-def _ours_now(directory: str) -> tuple[list[Checkpoint], set[str]]:
+def _ours_now(directory: str, check_permissions: bool) -> tuple[list[Checkpoint], set[str]]:
     """Our checkpoints and the record's names; a directory without a record adopts what is ours."""
-    record = read_record(directory)
+    record = read_record(directory, check_permissions)
     if record is None:
         adopted = checkpoints(directory, use_record=False)
-        if adopted:
+        if adopted and (directory, "adopted") not in _told:
+            _told.add((directory, "adopted"))
             _log.info("%s: adopting %d checkpoint(s) saved before cpuddp kept a record there", directory,
                       len(adopted))
         return adopted, {os.path.basename(c.path) for c in adopted}
     return checkpoints(directory, record=record), record
 
 
-def supersede(directory: str, step: int) -> list[str]:
+def supersede(directory: str, step: int, check_permissions: bool = True) -> list[str]:
     """Move our checkpoints with a step above ``step`` into ``abandoned-at-step-<step>.<random>/``
     and out of the record; return their new paths (see the module doc)."""
-    ours, record = _ours_now(directory)
+    ours, record = _ours_now(directory, check_permissions)
     later = [c for c in ours if c.step > step]
     if not later:
         return []
@@ -193,19 +194,19 @@ def supersede(directory: str, step: int) -> list[str]:
         os.rename(c.path, os.path.join(aside, name))
         moved.append(os.path.join(aside, name))
         record.discard(name)
-    _write_record(directory, record)
+    _write_record(directory, record, check_permissions)
     _log.warning("saving step %d in %s: moved %d checkpoint(s) of later steps (%s), from a line of training this "
                  "run did not go on from, to %s; load_checkpoint() now resumes this run's line; delete them when "
                  "not needed", step, directory, len(later), ", ".join(os.path.basename(p) for p in moved), aside)
     return moved
 
 
-def note_new(directory: str, name: str) -> None:
+def note_new(directory: str, name: str, check_permissions: bool = True) -> None:
     """Record ``name`` as ours before it is written (a save that dies leaves a name without a file: harmless)."""
-    _, record = _ours_now(directory)
+    _, record = _ours_now(directory, check_permissions)
     if name not in record:
         record.add(name)
-        _write_record(directory, record)
+        _write_record(directory, record, check_permissions)
 
 
 def _remove(c: Checkpoint) -> bool:
@@ -227,16 +228,16 @@ def _remove(c: Checkpoint) -> bool:
     return True
 
 
-def prune(directory: str, keep: Optional[int], written: str) -> list[str]:
+def prune(directory: str, keep: Optional[int], written: str, check_permissions: bool = True) -> list[str]:
     """Remove all but the newest ``keep`` of our checkpoints, never ``written`` (the one just saved);
     return what was removed."""
     if keep is None:
         return []
-    ours, record = _ours_now(directory)
+    ours, record = _ours_now(directory, check_permissions)
     line = [c for c in ours if c.path != written]
     old = line[:max(0, len(line) - (keep - 1))]
     gone = [c for c in old if _remove(c)]
     if gone:
         record.difference_update(os.path.basename(c.path) for c in gone)
-        _write_record(directory, record)
+        _write_record(directory, record, check_permissions)
     return [c.path for c in gone]

@@ -30,6 +30,15 @@ shards into through ``torch.distributed.checkpoint`` (DCP), made atomically
 (:mod:`cpuddp.train.ckpt_dirs`); it needs a directory every rank sees.  Either kind loads into
 either kind of model, at any world size.  The newest ``keep`` checkpoints stay, older ones go.
 
+**Whose checkpoints** (:mod:`cpuddp.train.ckpt_index`): a directory's record lists what cpuddp
+wrote there; only those, owned by this user and no symlink, count for ``keep=``, are removed,
+or are resumed from the directory.  They form one line: a save of step ``T`` moves the ones
+above ``T`` (a line abandoned by resuming from an earlier step) into
+``abandoned-at-step-T.<random>/``, so ``keep=`` never removes the checkpoint just written and
+``load_checkpoint(directory)`` resumes the newest of the current line.  **One writer**
+(:mod:`cpuddp.train.ckpt_lock`): the first save or load of a job in a directory holds it
+until the process exits; another job there gets an error naming that job's host and pid.
+
 **Resuming**: at the same world size a resumed fp32 run continues bit-identically (the same
 batches, random numbers and optimizer steps; tested on 2 ranks).  At another world size the
 model, optimizer, scheduler, scaler, step, epoch and extras carry over exactly; the data
@@ -163,10 +172,10 @@ def _check_loadable(parts: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- the directory
 
 
-def list_checkpoints(directory: Union[str, os.PathLike]) -> list[str]:
+def list_checkpoints(directory: Union[str, os.PathLike], *, check_permissions: bool = True) -> list[str]:
     """The checkpoints of this run's line in ``directory``, oldest first (paths; complete ones
     that cpuddp wrote, owned by you: :mod:`cpuddp.train.ckpt_index`)."""
-    return [c.path for c in checkpoints(os.fspath(directory))]
+    return [c.path for c in checkpoints(os.fspath(directory), check_permissions=check_permissions)]
 
 
 def _is_dcp_dir(path: str) -> bool:
@@ -181,8 +190,8 @@ def _take_directory(directory: str, check_permissions: bool, step: int, name: st
     make_private_dirs(directory)
     hold_directory(directory)
     remove_dead_dirs(directory)
-    supersede(directory, step)
-    note_new(directory, name)
+    supersede(directory, step, check_permissions)
+    note_new(directory, name, check_permissions)
 
 
 # --------------------------------------------------------------------------- saving
@@ -245,7 +254,7 @@ def save_checkpoint(
     if sharded:
         save_sharded(target, {"model": model_sd, "optimizer": optim_sd}, trainer, group, check_permissions,
                      lambda: _take_directory(path, check_permissions, step, os.path.basename(target)),
-                     lambda: prune(path, keep, target))
+                     lambda: prune(path, keep, target, check_permissions))
         _log.info("checkpoint saved: %s (sharded, %d rank(s))", target, world)
         return target
 
@@ -254,7 +263,7 @@ def save_checkpoint(
         state = dict(trainer, model=model_sd, optimizer=optim_sd)
         write_atomically(target, lambda f: torch.save(state, f), needed=state_nbytes(state),
                          check_permissions=check_permissions)
-        prune(path, keep, target)
+        prune(path, keep, target, check_permissions)
         return target
 
     if world == 1:
@@ -285,6 +294,9 @@ def _find(path: str, check_permissions: bool) -> Optional[list[str]]:
         return ["file", path]
     if _is_dcp_dir(path):
         return ["sharded", path]
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{path!r} is neither a checkpoint nor a directory ({stat.filemode(st.st_mode)})",
+                              path=path, fix="pass the directory save_checkpoint() wrote, or one checkpoint in it")
     check_directory(path, check_permissions=check_permissions, stacklevel=6)
     hold_directory(path, load=True)
     if holds_directory(path):
