@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from cpuddp.topology.here import hostname
+from cpuddp.train.ckpt_lock import hold_directory, release_directory
 from cpuddp.train.resume import list_checkpoints, load_checkpoint, save_checkpoint
 
 # --------------------------------------------------------------------------- two jobs, one directory
@@ -67,6 +68,23 @@ def test_a_second_job_in_the_same_directory_is_named_and_stopped(run_distributed
         a.stderr.close()
     assert run_distributed(_save_or_error, 2, args=(d,), timeout=120) == ["saved", "saved"]
     assert [os.path.basename(p) for p in list_checkpoints(d)] == ["step-000000001.pt", "step-000000002.pt"]
+
+
+def _hold_in_child(directory: str) -> str:
+    code = "import sys\nfrom cpuddp.train.ckpt_lock import hold_directory\nhold_directory(sys.argv[1])\nprint('held')"
+    res = subprocess.run([sys.executable, "-c", code, directory], capture_output=True, text=True, timeout=60)
+    return res.stdout.strip() or res.stderr.strip().splitlines()[-2]
+
+
+def test_the_lock_survives_another_descriptor_closing_and_is_handed_on(tmp_path) -> None:
+    """A plain POSIX lock would drop when this process closes any descriptor of the file (a backup
+    reading the directory); the writer's lock must not."""
+    d = str(tmp_path)
+    hold_directory(d)
+    with open(os.path.join(d, ".cpuddp-lock"), "rb") as f:
+        f.read()
+    assert _hold_in_child(d).startswith(f"cpuddp.errors.CheckpointError: another job writes checkpoints in {d!r}")
+    assert release_directory(d) and _hold_in_child(d) == "held"
 
 
 # --------------------------------------------------------------------------- a directory checkpoint replaced

@@ -9,10 +9,13 @@ that holds it.
 
 Only the process that does a checkpoint's directory work takes it (group rank 0: it writes the
 files, the manifest and the renames; the other ranks write a sharded checkpoint's shards into
-rank 0's temporary directory), so the ranks of one job never conflict.  The lock is a POSIX
-record lock (``fcntl``): the kernel drops it when the process dies, however it dies, a forked
-child (a DataLoader worker) does not inherit it, and NFS carries it between hosts.  The file
-is opened without following a symlink and must be a regular file of this user.
+rank 0's temporary directory), so the ranks of one job never conflict.  The lock is an
+open-file-description lock (``F_OFD_SETLK``; a POSIX ``lockf`` where the kernel has none): the
+kernel drops it when the process dies, however it dies (and its forked children, such as
+DataLoader workers, which share the description), NFS carries it between hosts, and -- unlike a
+plain POSIX lock -- the process closing another descriptor of the file (a backup copying the
+directory) does not drop it.  The file is opened without following a symlink and must be a
+regular file of this user.
 :func:`release_directory` lets a long-lived process (a notebook) hand the directory on.
 """
 
@@ -24,6 +27,7 @@ import json
 import logging
 import os
 import stat
+import struct
 import time
 from typing import Optional
 
@@ -65,7 +69,7 @@ def release_directory(directory: str) -> bool:
     fd = _HELD.pop(_key(directory), None)
     if fd is None:
         return False
-    os.close(fd)  # closing drops the POSIX lock
+    os.close(fd)  # closing the last descriptor of its description drops the lock
     return True
 
 
@@ -101,6 +105,19 @@ def _open_lock(directory: str, load: bool) -> Optional[int]:
     return fd
 
 
+def _lock(fd: int) -> None:
+    """An exclusive lock on the whole file, not waiting (EAGAIN/EACCES: someone holds it)."""
+    ofd = getattr(fcntl, "F_OFD_SETLK", None)
+    if ofd is not None:
+        try:  # struct flock: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks)
+            fcntl.fcntl(fd, ofd, struct.pack("hhqqi4x", fcntl.F_WRLCK, os.SEEK_SET, 0, 0, 0))
+            return
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:  # EINVAL: a kernel without OFD locks
+                raise
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def hold_directory(directory: str, *, load: bool = False) -> None:
     """Take ``directory``'s writer lock for this process's life (a no-op when held already).
 
@@ -112,7 +129,7 @@ def hold_directory(directory: str, *, load: bool = False) -> None:
     if fd is None:
         return
     try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _lock(fd)
     except OSError as exc:
         if exc.errno not in (errno.EACCES, errno.EAGAIN):
             os.close(fd)
