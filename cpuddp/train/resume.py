@@ -311,8 +311,8 @@ def _tell_world(saved: int, world: int) -> None:
     """Rank 0's line when the world size changed (what carries over, what does not)."""
     _log.warning(
         "resuming at world size %d a checkpoint saved at world size %d: the model, optimizer, scheduler, "
-        "scaler, step, epoch and extras carry over exactly; the data position carries over as the samples "
-        "consumed in the epoch, the rest dealt over the %d ranks (none repeated or skipped); %s; the "
+        "scaler, step, epoch and extras carry over exactly; the data position (loader=) carries over as the "
+        "samples consumed in the epoch, the rest dealt over the %d ranks (none repeated or skipped); %s; the "
         "per-rank batch is this job's, so the global batch differs, and the run is not bit-identical to one "
         "that went on at world size %d", world, saved, world,
         "ranks %d..%d start from their own random state" % (saved, world - 1) if world > saved
