@@ -20,7 +20,7 @@ from torch import nn
 from cpuddp.errors import CheckpointError
 from cpuddp.train import checkpoint as ckpt
 from cpuddp.train import paths
-from cpuddp.train.ckpt_dirs import make_temp_dir, remove_dead_dirs
+from cpuddp.train.ckpt_dirs import finish, make_temp_dir, remove_dead_dirs
 from cpuddp.train.loop import load_state_dict, save_state_dict
 from cpuddp.train.resume import list_checkpoints, load_checkpoint, save_checkpoint
 
@@ -305,3 +305,19 @@ def test_check_permissions_false_still_saves_keeps_and_loads(tmp_path) -> None:
         assert load_checkpoint(str(shared), model=_model(), check_permissions=False).step == 3
         kept = list_checkpoints(str(shared), check_permissions=False)
     assert [os.path.basename(p) for p in kept] == ["step-000000002.pt", "step-000000003.pt"]
+
+
+def test_a_directory_checkpoint_never_replaces_a_symlink(tmp_path) -> None:
+    """A link with the name of the directory checkpoint being saved: moving it aside and removing
+    it would reach where it points (as root, another user's files)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ".metadata").write_bytes(b"theirs")
+    d = tmp_path / "ck"
+    d.mkdir(mode=0o700)
+    os.symlink(elsewhere, d / "step-000000001")
+    temp = make_temp_dir(str(d), "step-000000001")
+    with pytest.raises(CheckpointError, match="is a symbolic link: cpuddp does not replace it"):
+        finish(temp, str(d / "step-000000001"))
+    temp.close(remove=True)
+    assert (elsewhere / ".metadata").read_bytes() == b"theirs" and os.path.islink(d / "step-000000001")

@@ -30,6 +30,8 @@ import logging
 import tempfile
 from typing import Optional
 
+from cpuddp.errors import CheckpointError
+
 from .checkpoint import fsync_directory
 
 __all__ = ["TempDir", "make_temp_dir", "remove_dead_dirs", "finish", "TOKEN_FILE"]
@@ -148,6 +150,17 @@ def _seal(path: str) -> None:
         fsync_directory(root)
 
 
+def _check_replaceable(final: str) -> None:
+    """``final`` may be replaced only when it is a directory of this user's (never a symlink:
+    its removal would reach where it points)."""
+    st = os.lstat(final)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+        return
+    what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else f"not a directory of yours (uid {st.st_uid})"
+    raise CheckpointError(f"{final!r} is {what}: cpuddp does not replace it with the new checkpoint", path=final,
+                          fix=f"remove {final!r} if it is yours, or save under a directory only you can write")
+
+
 def finish(temp: TempDir, final: str) -> None:
     """Seal ``temp`` and rename it to ``final`` (an existing ``final`` is replaced)."""
     _seal(temp.path)
@@ -156,6 +169,7 @@ def finish(temp: TempDir, final: str) -> None:
     parent = os.path.dirname(final)
     old: Optional[str] = None
     if os.path.lexists(final):
+        _check_replaceable(final)
         old = tempfile.mkdtemp(prefix=f".cpuddp-{os.path.basename(final)}.old.", suffix=".tmp", dir=parent)
         os.rmdir(old)
         os.rename(final, old)
