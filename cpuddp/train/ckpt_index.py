@@ -1,7 +1,8 @@
 """Which checkpoints in a directory are this job's line: the record, the listing, keep= and the abandoned.
 
 **The record.**  A save writes the names of the checkpoints cpuddp wrote in a directory into
-``directory/.cpuddp-checkpoints.json`` (atomically, ``0600``), before the checkpoint itself.
+``directory/.cpuddp-checkpoints.json`` (atomically, ``0600``), before the checkpoint itself
+(one record write per save: the names of checkpoints that are gone leave it then).
 Only a checkpoint named there, owned by this user, a regular file (or a directory holding DCP's
 ``.metadata``) and not a symbolic link (``lstat``) is one of ours (:func:`checkpoints`).  Any
 other entry with a checkpoint's name -- a file another user planted in a shared directory such
@@ -168,7 +169,8 @@ def checkpoints(directory: str, *, check_permissions: bool = True, others: bool 
 
 
 def _ours_now(directory: str, check_permissions: bool) -> tuple[list[Checkpoint], set[str]]:
-    """Our checkpoints and the record's names; a directory without a record adopts what is ours."""
+    """Our checkpoints and the record's names; a directory without a record adopts what is ours
+    (its record not yet written)."""
     record = read_record(directory, check_permissions)
     if record is None:
         adopted = checkpoints(directory, use_record=False)
@@ -202,11 +204,12 @@ def supersede(directory: str, step: int, check_permissions: bool = True) -> list
 
 
 def note_new(directory: str, name: str, check_permissions: bool = True) -> None:
-    """Record ``name`` as ours before it is written (a save that dies leaves a name without a file: harmless)."""
+    """Record ``name`` as ours before it is written (a save that dies leaves a name without a file:
+    harmless); names whose checkpoint is gone (pruned, removed by hand) leave the record here."""
     _, record = _ours_now(directory, check_permissions)
-    if name not in record:
-        record.add(name)
-        _write_record(directory, record, check_permissions)
+    kept = {n for n in record if os.path.lexists(os.path.join(directory, n))} | {name}
+    if kept != record or not os.path.lexists(os.path.join(directory, RECORD_FILE)):
+        _write_record(directory, kept, check_permissions)
 
 
 def _remove(c: Checkpoint) -> bool:
@@ -233,11 +236,7 @@ def prune(directory: str, keep: Optional[int], written: str, check_permissions: 
     return what was removed."""
     if keep is None:
         return []
-    ours, record = _ours_now(directory, check_permissions)
+    ours, _ = _ours_now(directory, check_permissions)
     line = [c for c in ours if c.path != written]
     old = line[:max(0, len(line) - (keep - 1))]
-    gone = [c for c in old if _remove(c)]
-    if gone:
-        record.difference_update(os.path.basename(c.path) for c in gone)
-        _write_record(directory, record, check_permissions)
-    return [c.path for c in gone]
+    return [c.path for c in old if _remove(c)]  # their names leave the record at the next save
