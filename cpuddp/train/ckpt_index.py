@@ -161,7 +161,7 @@ def checkpoints(directory: str, *, check_permissions: bool = True, others: bool 
         if why is None:
             found.append(Checkpoint(int(m.group(1)), path, sharded=stat.S_ISDIR(st.st_mode)))
         else:
-            _tell(path, why, logging.INFO if "not in" in why else logging.WARNING)
+            _tell(path, why, logging.INFO if RECORD_FILE in why else logging.WARNING)  # a copy of the user's: INFO
     return sorted(found, key=lambda c: (c.step, c.path))
 
 
