@@ -321,3 +321,17 @@ def test_a_directory_checkpoint_never_replaces_a_symlink(tmp_path) -> None:
         finish(temp, str(d / "step-000000001"))
     temp.close(remove=True)
     assert (elsewhere / ".metadata").read_bytes() == b"theirs" and os.path.islink(d / "step-000000001")
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_with_a_checkpoints_name_is_refused_not_waited_on(tmp_path) -> None:
+    """Opening a planted FIFO for reading would block until someone writes to it."""
+    os.mkfifo(tmp_path / "model.pt", 0o600)
+    with pytest.raises(CheckpointError, match=r"'.*model.pt' is not a regular file \(mode p"):
+        load_state_dict(_model(), tmp_path / "model.pt")
+    d = tmp_path / "ck"
+    save_checkpoint(str(d), step=1, model=_model())
+    os.unlink(d / ".cpuddp-checkpoints.json")
+    os.mkfifo(d / ".cpuddp-checkpoints.json", 0o600)
+    with pytest.raises(CheckpointError, match="is not a regular file"):
+        save_checkpoint(str(d), step=2, model=_model())
