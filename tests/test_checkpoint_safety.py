@@ -20,9 +20,9 @@ from torch import nn
 from cpuddp.errors import CheckpointError
 from cpuddp.train import checkpoint as ckpt
 from cpuddp.train import paths
-from cpuddp.train.ckpt_dirs import make_temp_dir, remove_dead_dirs
+from cpuddp.train.ckpt_dirs import finish, make_temp_dir, remove_dead_dirs
 from cpuddp.train.loop import load_state_dict, save_state_dict
-from cpuddp.train.resume import load_checkpoint, save_checkpoint
+from cpuddp.train.resume import list_checkpoints, load_checkpoint, save_checkpoint
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a file another user's needs root (chown)")
@@ -208,3 +208,130 @@ def test_a_killed_directory_save_is_removed_by_the_next(tmp_path) -> None:
     live.close(remove=False)  # as if its process had died
     assert remove_dead_dirs(str(tmp_path)) == [os.path.basename(live.path)]
     assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- shared directories (round 5)
+
+
+def _planted(path, step: int, owner: int = NOBODY) -> str:
+    """A file with a checkpoint's name that another user (``owner``) put in a shared directory."""
+    p = os.path.join(path, f"step-{step:09d}.pt")
+    torch.save({"format": "cpuddp-checkpoint/1", "step": step, "model": {}}, p)
+    os.chown(p, owner, owner)
+    return p
+
+
+@needs_root
+def test_files_a_stranger_plants_in_a_sticky_directory_are_never_counted_nor_removed(tmp_path, caplog) -> None:
+    """Another local user fills /tmp-like ``shared`` with checkpoint names: our keep=3 must not
+    count them, so our own checkpoints stay, and theirs are neither removed nor resumed."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    theirs = [_planted(shared, s) for s in (999999997, 999999998, 999999999, 1)]
+    model = _model()
+    p100 = save_checkpoint(str(shared), step=100, model=model)
+    p200 = save_checkpoint(str(shared), step=200, model=model)
+    assert os.path.exists(p100) and os.path.exists(p200)
+    assert all(os.path.exists(p) for p in theirs)
+    assert list_checkpoints(str(shared)) == [p100, p200]
+    assert load_checkpoint(str(shared), model=model).step == 200
+    assert "owned by uid 65534, not by you" in caplog.text and "step-999999999.pt" in caplog.text
+    for step in (300, 400, 500):  # keep=3 along our own
+        save_checkpoint(str(shared), step=step, model=model)
+    assert [os.path.basename(p) for p in list_checkpoints(str(shared))] == [
+        "step-000000300.pt", "step-000000400.pt", "step-000000500.pt"]
+    assert all(os.path.exists(p) for p in theirs)
+
+
+@needs_root
+def test_a_record_or_lock_another_user_planted_is_refused(tmp_path) -> None:
+    for planted in (".cpuddp-checkpoints.json", ".cpuddp-lock"):
+        shared = tmp_path / planted
+        shared.mkdir()
+        shared.chmod(0o1777)
+        (shared / planted).write_text('{"format": "cpuddp-checkpoints/1", "checkpoints": ["step-000000001.pt"]}')
+        os.chown(shared / planted, NOBODY, NOBODY)
+        theirs = _planted(shared, 1)
+        with pytest.raises(CheckpointError, match=r"owned by (nobody|uid 65534)|not a file of yours"):
+            save_checkpoint(str(shared), step=5, model=_model())
+        assert os.path.exists(theirs)
+
+
+def test_loading_never_follows_a_symlink(tmp_path, caplog) -> None:
+    """``ln -s step-100.pt step-999999999.pt`` must not make the directory resume step 100."""
+    d = tmp_path / "ck"
+    model = _model()
+    p100 = save_checkpoint(str(d), step=100, model=model)
+    save_checkpoint(str(d), step=200, model=model)
+    os.symlink(p100, d / "step-999999999.pt")
+    real = tmp_path / "elsewhere"
+    real.mkdir()
+    (real / ".metadata").write_bytes(b"x")
+    os.symlink(real, d / "step-999999998")  # a directory checkpoint, through a link
+    assert load_checkpoint(str(d), model=model).step == 200
+    assert "step-999999999.pt skipped: a symbolic link" in caplog.text
+    assert "step-999999998 skipped: a symbolic link" in caplog.text
+    for link in ("step-999999999.pt", "step-999999998"):
+        with pytest.raises(CheckpointError, match="is a symbolic link: a checkpoint is never loaded through one"):
+            load_checkpoint(str(d / link), model=model)
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        load_state_dict(model, d / "step-999999999.pt")
+    os.unlink(d / ".cpuddp-checkpoints.json")  # a directory written before the record: the same
+    assert load_checkpoint(str(d), model=model).step == 200
+    save_checkpoint(str(d), step=300, model=model, keep=1)
+    assert os.path.islink(d / "step-999999999.pt") and os.path.exists(p100) is False
+
+
+@needs_root
+def test_the_newest_is_chosen_among_our_own_files(tmp_path) -> None:
+    d = tmp_path / "ck"
+    model = _model()
+    save_checkpoint(str(d), step=100, model=model)
+    d.chmod(0o1777)
+    _planted(d, 999999999)
+    assert load_checkpoint(str(d), model=model).step == 100
+    os.unlink(d / ".cpuddp-checkpoints.json")  # without the record: ownership still decides
+    assert load_checkpoint(str(d), model=model).step == 100
+
+
+def test_check_permissions_false_still_saves_keeps_and_loads(tmp_path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.warns(UserWarning, match="writable by everyone"):
+        for step in (1, 2, 3):
+            save_checkpoint(str(shared), step=step, model=_model(), keep=2, check_permissions=False)
+        assert load_checkpoint(str(shared), model=_model(), check_permissions=False).step == 3
+        kept = list_checkpoints(str(shared), check_permissions=False)
+    assert [os.path.basename(p) for p in kept] == ["step-000000002.pt", "step-000000003.pt"]
+
+
+def test_a_directory_checkpoint_never_replaces_a_symlink(tmp_path) -> None:
+    """A link with the name of the directory checkpoint being saved: moving it aside and removing
+    it would reach where it points (as root, another user's files)."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ".metadata").write_bytes(b"theirs")
+    d = tmp_path / "ck"
+    d.mkdir(mode=0o700)
+    os.symlink(elsewhere, d / "step-000000001")
+    temp = make_temp_dir(str(d), "step-000000001")
+    with pytest.raises(CheckpointError, match="is a symbolic link: cpuddp does not replace it"):
+        finish(temp, str(d / "step-000000001"))
+    temp.close(remove=True)
+    assert (elsewhere / ".metadata").read_bytes() == b"theirs" and os.path.islink(d / "step-000000001")
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_with_a_checkpoints_name_is_refused_not_waited_on(tmp_path) -> None:
+    """Opening a planted FIFO for reading would block until someone writes to it."""
+    os.mkfifo(tmp_path / "model.pt", 0o600)
+    with pytest.raises(CheckpointError, match=r"'.*model.pt' is not a regular file \(mode p"):
+        load_state_dict(_model(), tmp_path / "model.pt")
+    d = tmp_path / "ck"
+    save_checkpoint(str(d), step=1, model=_model())
+    os.unlink(d / ".cpuddp-checkpoints.json")
+    os.mkfifo(d / ".cpuddp-checkpoints.json", 0o600)
+    with pytest.raises(CheckpointError, match="is not a regular file"):
+        save_checkpoint(str(d), step=2, model=_model())

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import cpuddp
 from cpuddp.errors import CheckpointError
+from cpuddp.train.ckpt_lock import release_directory
 from cpuddp.train.resume import list_checkpoints, load_checkpoint, save_checkpoint
 
 N, BATCH, SAVE_AT, TOTAL = 64, 4, 11, 20  # 2 ranks: 8 batches per epoch; saved in epoch 1 after 3 batches
@@ -110,6 +111,24 @@ def test_keep_the_newest_k_and_private_files(tmp_path) -> None:
     assert load_checkpoint(os.path.join(d, "step-000000003.pt"), model=model).step == 3  # a named one
 
 
+def test_keep_counts_along_the_line_that_was_resumed(tmp_path) -> None:
+    """Issue 37 #2: save 10 and 20, resume from 10, save 15 with keep=1.  The new checkpoint must
+    stay (20 belongs to the line this run abandoned: moved aside, not counted, not resumed)."""
+    model, _, opt, _, _ = _setup(wrap=False)
+    d = str(tmp_path / "ck")
+    p10 = save_checkpoint(d, step=10, model=model, optimizer=opt)
+    save_checkpoint(d, step=20, model=model, optimizer=opt)
+    assert load_checkpoint(p10, model=model, optimizer=opt).step == 10
+    p15 = save_checkpoint(d, step=15, model=model, optimizer=opt, keep=1)
+    assert os.path.exists(p15) and list_checkpoints(d) == [p15]
+    assert load_checkpoint(d, model=model, optimizer=opt).step == 15
+    (aside,) = [n for n in os.listdir(d) if n.startswith("abandoned-at-step-000000015.")]
+    assert os.listdir(os.path.join(d, aside)) == ["step-000000020.pt"]  # kept for the user, out of the line
+    assert load_checkpoint(os.path.join(d, aside, "step-000000020.pt"), model=model).step == 20
+    p30 = save_checkpoint(d, step=30, model=model, keep=1)  # the line goes on; the aside is never pruned
+    assert list_checkpoints(d) == [p30] and os.listdir(os.path.join(d, aside)) == ["step-000000020.pt"]
+
+
 def test_wrong_arguments_are_clear_errors(tmp_path) -> None:
     model, _, opt, sched, loader = _setup(wrap=False)
     d = str(tmp_path)
@@ -152,7 +171,8 @@ def test_a_loader_over_other_data_is_refused(tmp_path) -> None:
 def test_resume_is_bit_identical_on_two_ranks(run_distributed, tmp_path) -> None:
     whole = run_distributed(_train, 2, args=(str(tmp_path / "a"), TOTAL), timeout=90)
     run_distributed(_train, 2, args=(str(tmp_path / "b"), SAVE_AT, SAVE_AT), timeout=90)
-    assert os.listdir(tmp_path / "b") == [f"step-{SAVE_AT:09d}.pt"]  # one file, rank 0's
+    # One checkpoint file, rank 0's, beside the directory's record and writer lock (rank 0's too).
+    assert sorted(os.listdir(tmp_path / "b")) == [".cpuddp-checkpoints.json", ".cpuddp-lock", f"step-{SAVE_AT:09d}.pt"]
     again = run_distributed(_train, 2, args=(str(tmp_path / "b"), TOTAL, 0, True), timeout=90)
     for rank in (0, 1):
         assert again[rank]["resumed"][0::2] == (SAVE_AT, 2)
@@ -165,12 +185,18 @@ def test_resume_is_bit_identical_on_two_ranks(run_distributed, tmp_path) -> None
 
 def _epoch_after_resume(directory: str) -> dict:
     """Resume at this world size and train to the end of the saved epoch."""
+    import logging
+
     model, trained, opt, sched, loader = _setup()
+    said: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("cpuddp.checkpoint").addHandler(handler)
     r = load_checkpoint(directory, model=trained, optimizer=opt, scheduler=sched, loader=loader)
     before = [p.detach().clone() for p in model.parameters()]
     state = (r.step, loader.epoch, sched.last_epoch, float(opt.state_dict()["state"][0]["step"]))
     ids = [i for _, _, idx in loader for i in idx.tolist()]
-    return {"state": state, "ids": ids, "params": before, "same_world": r.same_world}
+    return {"state": state, "ids": ids, "params": before, "same_world": r.same_world, "said": said}
 
 
 @pytest.mark.timeout(240)
@@ -189,6 +215,12 @@ def test_resume_at_another_world_size_carries_over_what_it_documents(run_distrib
     rest = sum((t["ids"] for t in three), [])
     assert set(consumed) | set(rest) == set(range(N)) and not set(consumed) & set(rest)
     assert len(rest) - len(set(rest)) < 3  # only the padding repeats
+    # Rank 0 says so (issue 37 #9): the world size changed, and what that means.
+    for got, now in ((one, 1), (three[0], 3)):
+        (line,) = [s for s in got["said"] if "resuming at world size" in s]
+        assert f"resuming at world size {now} a checkpoint saved at world size 2" in line
+        assert "samples consumed in the epoch" in line and "not bit-identical" in line
+    assert not three[1]["said"] and not three[2]["said"]
 
 
 # --------------------------------------------------------------------------- sharded (FSDP2)
@@ -256,7 +288,8 @@ def test_a_sharded_checkpoint_resumes_on_two_ranks_one_rank_and_under_ddp(run_di
     saved = run_distributed(_fsdp_save, 2, args=(d,), timeout=120)
     full = saved[0]["full"]
     assert saved[0]["path"] == os.path.join(d, "step-000000003") and ".metadata" in saved[0]["files"]
-    assert "trainer.pt" in saved[0]["files"] and not [n for n in os.listdir(d) if n.startswith(".cpuddp-")]
+    assert "trainer.pt" in saved[0]["files"] and not [n for n in os.listdir(d) if n.startswith(".cpuddp-")
+                                                  and n not in (".cpuddp-checkpoints.json", ".cpuddp-lock")]
     assert all((os.stat(os.path.join(d, "step-000000003", f)).st_mode & 0o777) == 0o600 for f in saved[0]["files"])
     for kind, world in (("fsdp", 2), ("fsdp", 1), ("ddp", 2), ("ddp", 1)):
         for r in run_distributed(_resume, world, args=(d, kind), timeout=120):
@@ -277,5 +310,6 @@ def test_a_ddp_checkpoint_resumes_into_a_sharded_model(run_distributed, tmp_path
     model(torch.randn(2, 6)).sum().backward()
     opt.step()
     save_checkpoint(d, step=1, model=model, optimizer=opt)
+    release_directory(d)  # this process (a notebook, say) hands the directory to the job it starts
     for r in run_distributed(_resume, 2, args=(d, "fsdp"), timeout=120):
         assert r["step"] == 1 and _same_weights(r["weights"], model.state_dict()) and r["opt_steps"] == {1.0}

@@ -7,7 +7,8 @@ or FSDP2 and ``torch.compile`` :mod:`.distribute`; sharding :mod:`.shard` (FSDP2
 mode (:mod:`.grads`: ``clip_grad_norm_``, ``no_sync``), the loop
 helpers (:mod:`.loop`: autocast, metrics, the model's state dict; sharding data and its
 position :mod:`.data`), checkpoints (a file written atomically :mod:`.checkpoint`, a
-directory :mod:`.ckpt_dirs`, safe places and full disks :mod:`.paths`, rank 0's I/O
+directory :mod:`.ckpt_dirs`, whose checkpoints :mod:`.ckpt_index`, one writer
+:mod:`.ckpt_lock`, safe places and full disks :mod:`.paths`, rank 0's I/O
 :mod:`.rank0`), the training checkpoint (:mod:`.resume`, :mod:`.resume_io`, random state
 :mod:`.rng`) and :class:`cpuddp.Progress` (:mod:`.progress`).
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp._compat`, :mod:`cpuddp._units`,

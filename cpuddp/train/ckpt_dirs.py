@@ -3,11 +3,18 @@
 The ranks write into a temporary directory beside the target, ``.cpuddp-<name>.<random>.tmp``
 (``0700``), which rank 0 creates and holds an exclusive ``flock`` on (its ``.lock`` file)
 until the end.  When every rank is done, rank 0 makes the files ``0600``, fsyncs them and the
-directory, renames it to the target (an older directory of that name is moved aside first and
-removed after) and fsyncs the parent.  A reader sees the old checkpoint or the new one.  A
-save that is killed leaves its temporary directory; the next save removes it once no process
-holds its lock (as :mod:`cpuddp.train.checkpoint` does for files).  A directory checkpoint
-needs a file system that every rank sees: :func:`visible_everywhere` checks that first.
+directory, renames it to the target and fsyncs the parent.  A reader sees the old checkpoint or the new one.
+A save that is killed leaves its temporary directory; the next save (or load) removes it once no
+process holds its lock (as :mod:`cpuddp.train.checkpoint` does for files).
+
+Replacing a directory of the same name takes two renames (POSIX cannot rename over a directory
+that is not empty): the old one to ``.cpuddp-<name>.old.<random>.tmp``, then the new one into
+place; after that the old one's ``.metadata`` goes first, then the rest.  A process killed
+between the two renames leaves the step only in the ``.old`` directory: the next save or load
+(:func:`remove_dead_dirs`) renames a complete ``.old`` directory whose name is free back into
+place, and removes one whose replacement landed.  So a crash at any point leaves the step
+loadable, the old checkpoint or the new one.  Every rank must see a directory checkpoint's
+directory: :func:`cpuddp.train.resume_io.save_sharded` checks that first.
 """
 
 from __future__ import annotations
@@ -19,14 +26,21 @@ import re
 import secrets
 import shutil
 import stat
+import logging
 import tempfile
 from typing import Optional
+
+from cpuddp.errors import CheckpointError
 
 from .checkpoint import fsync_directory
 
 __all__ = ["TempDir", "make_temp_dir", "remove_dead_dirs", "finish", "TOKEN_FILE"]
 
+_log = logging.getLogger("cpuddp.checkpoint")
+
 _TEMP_DIR = re.compile(r"\A\.cpuddp-.*\.tmp\Z", re.DOTALL)
+#: A replaced checkpoint moved aside by :func:`finish`: group 1 is the checkpoint's name.
+_OLD_DIR = re.compile(r"\A\.cpuddp-(step-\d{9,})\.old\..*\.tmp\Z", re.DOTALL)
 #: A file rank 0 writes into the temporary directory; every rank must read the same token.
 TOKEN_FILE = ".cpuddp-token"
 _LOCK = ".lock"
@@ -86,8 +100,28 @@ def _dead(path: str, uid: int) -> bool:
         os.close(fd)
 
 
+def _restore(directory: str, name: str) -> bool:
+    """Put a dead ``.old`` directory back as its checkpoint when the replacement never landed."""
+    m = _OLD_DIR.match(name)
+    if m is None:
+        return False
+    path, final = os.path.join(directory, name), os.path.join(directory, m.group(1))
+    try:
+        complete = stat.S_ISREG(os.lstat(os.path.join(path, ".metadata")).st_mode)
+    except OSError:
+        complete = False
+    if not complete or os.path.lexists(final):
+        return False
+    os.rename(path, final)
+    fsync_directory(directory)
+    _log.warning("restored %s from %s: a save replacing it was killed between its two renames", final, name)
+    return True
+
+
 def remove_dead_dirs(directory: str) -> list[str]:
-    """Remove killed saves' temporary directories in ``directory``; return their names."""
+    """Remove killed saves' temporary directories in ``directory``, after restoring a replaced
+    checkpoint whose replacement never landed (the module doc); return the names removed.
+    Call it holding the directory's writer lock (:mod:`cpuddp.train.ckpt_lock`)."""
     uid = os.geteuid()
     try:
         names = sorted(n for n in os.listdir(directory) if _TEMP_DIR.match(n))
@@ -96,7 +130,7 @@ def remove_dead_dirs(directory: str) -> list[str]:
     gone = []
     for n in names:
         path = os.path.join(directory, n)
-        if _dead(path, uid):
+        if _dead(path, uid) and not _restore(directory, n):
             shutil.rmtree(path, ignore_errors=True)
             gone.append(n)
     return gone
@@ -116,6 +150,17 @@ def _seal(path: str) -> None:
         fsync_directory(root)
 
 
+def _check_replaceable(final: str) -> None:
+    """``final`` may be replaced only when it is a directory of this user's (never a symlink:
+    its removal would reach where it points)."""
+    st = os.lstat(final)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid():
+        return
+    what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else f"not a directory of yours (uid {st.st_uid})"
+    raise CheckpointError(f"{final!r} is {what}: cpuddp does not replace it with the new checkpoint", path=final,
+                          fix=f"remove {final!r} if it is yours, or save under a directory only you can write")
+
+
 def finish(temp: TempDir, final: str) -> None:
     """Seal ``temp`` and rename it to ``final`` (an existing ``final`` is replaced)."""
     _seal(temp.path)
@@ -124,6 +169,7 @@ def finish(temp: TempDir, final: str) -> None:
     parent = os.path.dirname(final)
     old: Optional[str] = None
     if os.path.lexists(final):
+        _check_replaceable(final)
         old = tempfile.mkdtemp(prefix=f".cpuddp-{os.path.basename(final)}.old.", suffix=".tmp", dir=parent)
         os.rmdir(old)
         os.rename(final, old)
@@ -131,4 +177,6 @@ def finish(temp: TempDir, final: str) -> None:
     fsync_directory(parent)
     temp.path = final  # nothing left to remove on close
     if old is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(old, ".metadata"))  # first: never restored half-removed
         shutil.rmtree(old, ignore_errors=True)

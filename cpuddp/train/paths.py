@@ -7,9 +7,10 @@ A checkpoint is code and data the next run loads, so a place another user can ch
   which stops others from renaming or removing what they do not own.  Otherwise another
   user could replace the checkpoint (a group- or world-writable directory) or the whole
   directory under it (the same, one level up), and the next run would load their weights.
-- :func:`open_own_file`: a file to load must be owned by this user (or root) and writable by
-  nobody else; the check is made on the opened descriptor, so the file read is the file
-  checked.
+- :func:`open_own_file`: a file to load must be a regular file owned by this user (or root)
+  and writable by nobody else, and is opened without following a symbolic link
+  (``O_NOFOLLOW``: whoever can make a link would choose what is loaded); the check is made on
+  the opened descriptor, so the file read is the file checked.
 
 Both raise :class:`~cpuddp.errors.CheckpointError` naming the path, its owner and mode, and
 the fix; with ``check_permissions=False`` they warn instead.
@@ -129,9 +130,21 @@ def open_own_file(path: str, *, check_permissions: bool = True, stacklevel: int 
     that only this user (or root) can have written it, and that its directories are safe."""
     check_directory(os.path.dirname(os.path.abspath(path)), check_permissions=check_permissions,
                     stacklevel=stacklevel + 1)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise CheckpointError(f"{path!r} is a symbolic link: a checkpoint is never read through one (whoever "
+                              "can make the link chooses what is loaded)", path=path,
+                              fix=f"pass the file itself ({os.path.realpath(path)!r}) after checking it is yours"
+                              ) from None
     try:
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{path!r} is not a regular file (mode {stat.filemode(st.st_mode)})", path=path,
+                                  fix="pass a checkpoint file that save_state_dict() or save_checkpoint() wrote")
+        os.set_blocking(fd, True)
         problem = _problem(path, st, os.geteuid(), "file")
         _refuse([problem] if problem else [], path,
                 "load only files you wrote yourself (chown them, or copy them into a directory of your own)",

@@ -30,6 +30,15 @@ shards into through ``torch.distributed.checkpoint`` (DCP), made atomically
 (:mod:`cpuddp.train.ckpt_dirs`); it needs a directory every rank sees.  Either kind loads into
 either kind of model, at any world size.  The newest ``keep`` checkpoints stay, older ones go.
 
+**Whose checkpoints** (:mod:`cpuddp.train.ckpt_index`): a directory's record lists what cpuddp
+wrote there; only those, owned by this user and no symlink, count for ``keep=``, are removed,
+or are resumed from the directory.  They form one line: a save of step ``T`` moves the ones
+above ``T`` (a line abandoned by resuming from an earlier step) into
+``abandoned-at-step-T.<random>/``, so ``keep=`` never removes the checkpoint just written and
+``load_checkpoint(directory)`` resumes the newest of the current line.  **One writer**
+(:mod:`cpuddp.train.ckpt_lock`): the first save or load of a job in a directory holds it
+until the process exits; another job there gets an error naming that job's host and pid.
+
 **Resuming**: at the same world size a resumed fp32 run continues bit-identically (the same
 batches, random numbers and optimizer steps; tested on 2 ranks).  At another world size the
 model, optimizer, scheduler, scaler, step, epoch and extras carry over exactly; the data
@@ -46,7 +55,7 @@ from __future__ import annotations
 import io
 import logging
 import os
-import re
+import stat
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -59,18 +68,20 @@ from cpuddp.ranks import group_rank_world
 
 from . import rng
 from .checkpoint import write_atomically
+from .ckpt_dirs import remove_dead_dirs
+from .ckpt_index import checkpoint_name, checkpoints, note_new, prune, supersede
+from .ckpt_lock import hold_directory, holds_directory
 from .data import ShardedLoader
-from .paths import check_directory, open_own_file, state_nbytes
+from .paths import check_directory, make_private_dirs, open_own_file, state_nbytes
 from .prepare import unwrap
 from .rank0 import all_gather_bytes, broadcast_bytes, on_rank0
 from .resume_io import apply_state, gather_state, load_sharded, save_sharded
 
-__all__ = ["save_checkpoint", "load_checkpoint", "Resumed", "list_checkpoints", "checkpoint_name", "FORMAT"]
+__all__ = ["save_checkpoint", "load_checkpoint", "Resumed", "list_checkpoints", "FORMAT"]
 
 _log = logging.getLogger("cpuddp.checkpoint")
 
 FORMAT = "cpuddp-checkpoint/1"
-_NAME = re.compile(r"\Astep-(\d{9,})(\.pt)?\Z")
 
 
 @dataclass(frozen=True)
@@ -161,45 +172,26 @@ def _check_loadable(parts: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- the directory
 
 
-def checkpoint_name(step: int, sharded: bool) -> str:
-    return f"step-{step:09d}" + ("" if sharded else ".pt")
-
-
-def list_checkpoints(directory: Union[str, os.PathLike]) -> list[str]:
-    """The checkpoints in ``directory``, oldest first (paths; complete ones only)."""
-    directory = os.fspath(directory)
-    try:
-        names = os.listdir(directory)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    found = []
-    for n in names:
-        m = _NAME.match(n)
-        if m is None:
-            continue
-        path = os.path.join(directory, n)
-        if (m.group(2) and os.path.isfile(path)) or (not m.group(2) and _is_dcp_dir(path)):
-            found.append((int(m.group(1)), path))
-    return [p for _, p in sorted(found)]
+def list_checkpoints(directory: Union[str, os.PathLike], *, check_permissions: bool = True) -> list[str]:
+    """The checkpoints of this run's line in ``directory``, oldest first (paths; complete ones
+    that cpuddp wrote, owned by you: :mod:`cpuddp.train.ckpt_index`)."""
+    return [c.path for c in checkpoints(os.fspath(directory), check_permissions=check_permissions)]
 
 
 def _is_dcp_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def _prune(directory: str, keep: Optional[int]) -> list[str]:
-    """Remove all but the newest ``keep`` checkpoints; return what was removed."""
-    import shutil
-
-    if keep is None:
-        return []
-    old = list_checkpoints(directory)[:-keep]
-    for path in old:
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            os.unlink(path)
-    return old
+def _take_directory(directory: str, check_permissions: bool, step: int, name: str) -> None:
+    """Rank 0, before a save: the directory safe and made, held by this job, a killed save's
+    leftovers cleaned (a replaced checkpoint restored), the abandoned line moved aside, the
+    new name recorded."""
+    check_directory(directory, check_permissions=check_permissions, stacklevel=7)
+    make_private_dirs(directory)
+    hold_directory(directory)
+    remove_dead_dirs(directory)
+    supersede(directory, step, check_permissions)
+    note_new(directory, name, check_permissions)
 
 
 # --------------------------------------------------------------------------- saving
@@ -257,19 +249,21 @@ def save_checkpoint(
     blobs = all_gather_bytes(rng.to_bytes(rng.capture()), group) if world > 1 else [rng.to_bytes(rng.capture())]
     trainer = _trainer_state(step, epoch, extra, scheduler, scaler, loader, blobs, world)
     _check_loadable({k: trainer[k] for k in ("extra", "scheduler", "scaler")})
-    if _is_sharded(core):
-        target = os.path.join(path, checkpoint_name(step, sharded=True))
-        save_sharded(path, target, {"model": model_sd, "optimizer": optim_sd}, trainer, group,
-                     check_permissions, lambda: _prune(path, keep))
+    sharded = _is_sharded(core)
+    target = os.path.join(path, checkpoint_name(step, sharded=sharded))
+    if sharded:
+        save_sharded(target, {"model": model_sd, "optimizer": optim_sd}, trainer, group, check_permissions,
+                     lambda: _take_directory(path, check_permissions, step, os.path.basename(target)),
+                     lambda: prune(path, keep, target, check_permissions))
         _log.info("checkpoint saved: %s (sharded, %d rank(s))", target, world)
         return target
-    target = os.path.join(path, checkpoint_name(step, sharded=False))
 
     def write() -> str:
+        _take_directory(path, check_permissions, step, os.path.basename(target))
         state = dict(trainer, model=model_sd, optimizer=optim_sd)
         write_atomically(target, lambda f: torch.save(state, f), needed=state_nbytes(state),
                          check_permissions=check_permissions)
-        _prune(path, keep)
+        prune(path, keep, target, check_permissions)
         return target
 
     if world == 1:
@@ -286,19 +280,43 @@ def save_checkpoint(
 
 def _find(path: str, check_permissions: bool) -> Optional[list[str]]:
     """``[kind, checkpoint path]`` for ``path`` (a checkpoint, or a directory of them: the
-    newest), or None when there is none yet."""
+    newest of this run's line), or None when there is none yet.  Never through a symlink."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise CheckpointError(f"{path!r} is a symbolic link: a checkpoint is never loaded through one (whoever "
+                              "can make the link chooses what is resumed)", path=path,
+                              fix=f"pass the checkpoint or directory itself ({os.path.realpath(path)!r}), after "
+                                  "checking that it is yours")
+    if stat.S_ISREG(st.st_mode):
+        return ["file", path]
     if _is_dcp_dir(path):
         return ["sharded", path]
-    if os.path.isfile(path):
-        return ["file", path]
-    if not os.path.exists(path):
-        return None
+    if not stat.S_ISDIR(st.st_mode):
+        raise CheckpointError(f"{path!r} is neither a checkpoint nor a directory ({stat.filemode(st.st_mode)})",
+                              path=path, fix="pass the directory save_checkpoint() wrote, or one checkpoint in it")
     check_directory(path, check_permissions=check_permissions, stacklevel=6)
-    found = list_checkpoints(path)
+    hold_directory(path, load=True)
+    if holds_directory(path):
+        remove_dead_dirs(path)  # a killed replacement's checkpoint restored
+    found = checkpoints(path, check_permissions=check_permissions, others=not check_permissions)
     if not found:
         return None
-    newest = found[-1]
-    return ["sharded" if os.path.isdir(newest) else "file", newest]
+    return ["sharded" if found[-1].sharded else "file", found[-1].path]
+
+
+def _tell_world(saved: int, world: int) -> None:
+    """Rank 0's line when the world size changed (what carries over, what does not)."""
+    _log.warning(
+        "resuming at world size %d a checkpoint saved at world size %d: the model, optimizer, scheduler, "
+        "scaler, step, epoch and extras carry over exactly; the data position (loader=) carries over as the "
+        "samples consumed in the epoch, the rest dealt over the %d ranks (none repeated or skipped); %s; the "
+        "per-rank batch is this job's, so the global batch differs, and the run is not bit-identical to one "
+        "that went on at world size %d", world, saved, world,
+        "ranks %d..%d start from their own random state" % (saved, world - 1) if world > saved
+        else "the random state of ranks %d..%d is dropped" % (world, saved - 1), saved)
 
 
 def _read_bytes(path: str, check_permissions: bool) -> bytes:
@@ -355,6 +373,8 @@ def load_checkpoint(
     apply_state(state, core, optimizer, scheduler, scaler, loader, rank, restore_rng, full=_is_sharded(core)
                 and kind == "file")
     saved_world = int(state.get("world_size", 1))
+    if saved_world != world and rank == 0:
+        _tell_world(saved_world, world)
     _log.info("resumed from %s: step %s, epoch %s (saved by %d rank(s), now %d)", where, state["step"],
               state.get("epoch"), saved_world, world)
     return Resumed(step=int(state["step"]), epoch=state.get("epoch"), extra=state.get("extra"), path=where,

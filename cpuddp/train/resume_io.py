@@ -20,8 +20,8 @@ from cpuddp.ranks import group_rank_world
 
 from . import rng
 from .checkpoint import write_atomically
-from .ckpt_dirs import TempDir, finish, make_temp_dir, read_token, remove_dead_dirs
-from .paths import check_directory, is_space_error, make_private_dirs, space_error, state_nbytes
+from .ckpt_dirs import TempDir, finish, make_temp_dir, read_token
+from .paths import is_space_error, space_error, state_nbytes
 from .rank0 import on_rank0
 
 __all__ = ["gather_state", "apply_state", "save_sharded", "load_sharded", "TRAINER_FILE"]
@@ -111,19 +111,20 @@ def _everyone_sees(tmp: str, token: str, group: Any) -> None:
             fix="save to a directory on a file system every node mounts at the same path (NFS, Lustre, GPFS)")
 
 
-def save_sharded(directory: str, target: str, tensors: Mapping[str, Any], trainer: dict[str, Any], group: Any,
-                 check_permissions: bool, prune: Callable[[], Any]) -> None:
+def save_sharded(target: str, tensors: Mapping[str, Any], trainer: dict[str, Any], group: Any,
+                 check_permissions: bool, prepare: Callable[[], Any], prune: Callable[[], Any]) -> None:
     """Every rank writes its shards of ``tensors`` into a temporary directory through DCP;
-    rank 0 adds ``trainer`` and renames the directory to ``target`` (:mod:`.ckpt_dirs`)."""
+    rank 0 adds ``trainer`` and renames the directory to ``target`` (:mod:`.ckpt_dirs`).
+    ``prepare`` (rank 0, first: the directory checked, made and held) and ``prune`` (rank 0,
+    last) are the door's."""
     import torch.distributed.checkpoint as dcp
 
     held: list[TempDir] = []
+    directory = os.path.dirname(target)
     fix = f"make {directory!r} writable on every rank's host (free space, permissions); every rank stopped"
 
     def begin() -> list[str]:
-        check_directory(directory, check_permissions=check_permissions, stacklevel=7)
-        make_private_dirs(directory)
-        remove_dead_dirs(directory)
+        prepare()
         held.append(make_temp_dir(directory, os.path.basename(target)))
         return [held[0].path, held[0].token]
 
