@@ -31,8 +31,9 @@ import torch.distributed as dist
 
 from cpuddp.errors import BackendError
 
-from .local import LocalEngine, _parts, _reduce_into
+from .local import LocalEngine
 from .node import NodePlan
+from .ops import rows_reducer
 
 __all__ = ["Hierarchy", "cross_group", "INTER_CHOICES"]
 
@@ -61,19 +62,19 @@ class Hierarchy:
         self.me, self.n, self.node = plan.local_rank, plan.local_size, plan.node
 
     def all_reduce(self, flat: torch.Tensor, code: Any, fn: Callable[..., Any]) -> None:
-        eng, me, n = self.eng, self.me, self.n
-        slots = eng.seg.slots(flat.dtype)
+        eng, me = self.eng, self.me
+        rows, red = eng.seg.rows(flat.dtype), rows_reducer(fn, flat.dtype)
         chunks = eng._rounds(flat.numel(), eng._cap(flat))
-        spans = [_parts(k, n, me) for _, k in chunks]
+        spans = [eng.my_part(k, flat.element_size()) for _, k in chunks]
         part = torch.empty(sum(hi - lo for lo, hi in spans), dtype=flat.dtype)
         pos = 0
         for (o, k), (lo, hi) in zip(chunks, spans):
             e = eng.epoch + 1
-            buf = slots[e & 1]
-            buf[me][:k].copy_(flat[o:o + k])
+            buf = rows[e & 1]
+            buf[me, :k].copy_(flat[o:o + k])
             eng.sync(e)
             if hi > lo:
-                _reduce_into(part[pos:pos + hi - lo], [s[lo:hi] for s in buf], fn)
+                red(eng.part_rows(buf, lo, hi), part[pos:pos + hi - lo])
             pos += hi - lo
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp(code)
@@ -81,13 +82,11 @@ class Hierarchy:
         pos = 0
         for (o, k), (lo, hi) in zip(chunks, spans):
             e = eng.epoch + 1
-            buf = slots[e & 1]
-            buf[me][lo:hi].copy_(part[pos:pos + hi - lo])
+            buf = rows[e & 1]
+            buf[me, lo:hi].copy_(part[pos:pos + hi - lo])
             pos += hi - lo
             eng.sync(e)
-            for r in range(n):
-                a, b = _parts(k, n, r)
-                flat[o + a:o + b].copy_(buf[r][a:b])
+            eng.parts_out(buf, k, flat[o:o + k])
 
     def broadcast(self, flat: torch.Tensor, root: int) -> None:
         node, lr = self._where(root)
@@ -112,7 +111,7 @@ class Hierarchy:
                        fn: Callable[..., Any]) -> None:
         """``inps[r]``: the part for group rank r.  ``out`` gets the reduction of this rank's part."""
         nodes, k, grid = self.plan.nodes, out.numel(), self.plan.grid
-        supers = [torch.cat([inps[grid[j][i]] for j in range(nodes)]) for i in range(self.n)]
+        supers = list(torch.cat([inps[grid[j][i]] for i in range(self.n) for j in range(nodes)]).view(self.n, -1))
         node_sum = torch.empty(nodes * k, dtype=out.dtype)
         self.eng.reduce_scatter(supers, node_sum, fn)
         # between nodes an all_reduce of the column's parts, this node's kept: what gloo's

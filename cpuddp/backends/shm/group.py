@@ -144,14 +144,11 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
                 f"{self._options.inter} between them")
 
     def _thread_setup(self) -> None:
-        """On the communication thread: its ops use one OpenMP thread; it yields only briefly."""
+        """On the communication thread: its ops use one OpenMP thread."""
         import ctypes
-        import threading
 
         with contextlib.suppress(AttributeError, OSError):
             ctypes.CDLL(None).omp_set_num_threads(1)
-        if self._eng is not None:
-            self._eng.waiter.comm_thread = threading.get_ident()
 
     @property
     def shm_calls(self) -> int:
