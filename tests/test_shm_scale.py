@@ -137,11 +137,10 @@ def _reference_and_results(numels):
                         ok = torch.equal(got, want)
                     if not ok:
                         out["bad"].append(f"{what} {key}: differs from the reference")
-                    out["digests"][f"{what} {key}"] = got.view(torch.uint8).sum().item() if numel else 0
-                    out["digests"][f"{what} {key} bytes"] = hash(bytes(got.contiguous().view(torch.uint8).numpy()))
+                    out["digests"][f"{what} {key}"] = repr(got.tolist())  # exact: every value as a Python number
     # gather side: all_gather of every rank's bytes, broadcast from the last rank
     g = torch.empty(n * 1001, dtype=torch.float64)
-    dist.all_gather_into_tensor(g, torch.full((1001,), float(rank)))
+    dist.all_gather_into_tensor(g, torch.full((1001,), float(rank), dtype=torch.float64))
     if not torch.equal(g, torch.arange(n, dtype=torch.float64).repeat_interleave(1001)):
         out["bad"].append("all_gather_into_tensor")
     lst = [torch.empty(77, dtype=torch.int16) for _ in range(n)]
@@ -163,3 +162,75 @@ def test_oversubscribed_every_op_and_dtype_bit_identical_across_ranks(n):
     for r, got in enumerate(res):
         assert got["bad"] == [], (r, got["bad"][:10])
         assert got["digests"] == res[0]["digests"], f"rank {r}'s results differ from rank 0's"
+
+
+# --------------------------------------------------------------------------- AVG on the whole-gloo path
+
+
+def _avg_on_whole_gloo():
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    import cpuddp.backends.shm.group as shm_group
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    real = shm_group.whoami
+
+    def on_a_node_of_its_own(r):  # every rank on a host of its own: the group runs gloo for everything
+        record = json.loads(real(r))
+        record["host"] = f"{record['host']}-node{r}"
+        return json.dumps(record)
+
+    import os
+
+    shm_group.whoami = on_a_node_of_its_own
+    said, os.environ["LOCAL_WORLD_SIZE"] = os.environ.get("LOCAL_WORLD_SIZE"), "1"  # what a launcher would say
+    try:
+        pg = dist.new_group(list(range(n)), backend="shm")
+    finally:
+        shm_group.whoami = real
+        if said is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = said
+    out = {"reason": getattr(pg, "reason", None)}
+    # what the gloo group underneath is asked for (torch 2.13's gloo averages right; 2.8's returns
+    # the sum for an AVG reduce_scatter: on any torch, gloo must never be asked for AVG)
+    gloo, asked = pg._world._gloo, []
+
+    class Spy:
+        def __getattr__(self, name):
+            def call(*args):
+                asked.extend(str(a.reduceOp.op) for a in args if hasattr(a, "reduceOp"))
+                return getattr(gloo, name)(*args)
+            return call
+
+    pg._world._gloo = Spy()
+    parts = torch.arange(n * 3, dtype=torch.float32) * (rank + 1)  # rank r: r+1 times 0..3n-1
+    mean = torch.arange(n * 3, dtype=torch.float32) * (n + 1) / 2
+    got = torch.empty(3)
+    dist.reduce_scatter_tensor(got, parts, op=dist.ReduceOp.AVG, group=pg)
+    out["reduce_scatter_tensor"] = (got.tolist(), mean[rank * 3:rank * 3 + 3].tolist())
+    lst = torch.empty(3)
+    dist.reduce_scatter(lst, list(parts.view(n, 3)), op=dist.ReduceOp.AVG, group=pg)
+    out["reduce_scatter"] = (lst.tolist(), mean[rank * 3:rank * 3 + 3].tolist())
+    t = parts.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.AVG, group=pg)
+    out["all_reduce"] = (t.tolist(), mean.tolist())
+    try:
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=dist.ReduceOp.AVG, group=pg)
+        out["int_avg"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["int_avg"] = f"{type(exc).__name__}: {exc}"
+    out["asked"] = asked
+    return out
+
+
+def test_avg_is_a_sum_divided_on_the_whole_gloo_path_too():
+    res = run_distributed(_avg_on_whole_gloo, 2, backend="gloo", timeout=120)
+    for r, got in enumerate(res):
+        assert "gloo for every collective" in str(got["reason"]), got["reason"]
+        for what in ("reduce_scatter_tensor", "reduce_scatter", "all_reduce"):
+            assert got[what][0] == got[what][1], (r, what, got[what])
+        assert "average of integers" in got["int_avg"], got["int_avg"]
+        assert got["asked"] and not any("AVG" in op for op in got["asked"]), got["asked"]

@@ -33,9 +33,10 @@ from cpuddp.errors import BackendError
 
 from .local import LocalEngine
 from .node import NodePlan
-from .ops import rows_reducer
+from .ops import AVG, reducer, rows_reducer, summed
+from .stream import GatheredWork
 
-__all__ = ["Hierarchy", "cross_group", "INTER_CHOICES"]
+__all__ = ["Hierarchy", "cross_group", "SumThenDivide", "INTER_CHOICES"]
 
 INTER_CHOICES = ("gloo", "ccl")
 
@@ -155,3 +156,46 @@ class Hierarchy:
         mine = self.eng.rank
         out.copy_(packed[mine * k:(mine + 1) * k])
 
+
+
+class SumThenDivide:
+    """A gloo group of every rank (a group that runs every collective on gloo, and the one the
+    hierarchy keeps for all_to_all and point-to-point) that never sees ``ReduceOp.AVG``: an AVG
+    reduction runs as SUM and the outputs are divided by the group size once it finished, as on
+    the shared-memory paths (torch 2.8's gloo returns the sum for an AVG reduce_scatter).
+    Everything else is the gloo group's own."""
+
+    def __init__(self, gloo: Any, size: int) -> None:
+        self._gloo, self._size = gloo, size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gloo, name)
+
+    def _avg(self, opts: Any, outputs: Sequence[torch.Tensor], call: Callable[[], Any]) -> Any:
+        code = getattr(opts.reduceOp, "op", opts.reduceOp)
+        if code != AVG:
+            return call()
+        for t in outputs:
+            reducer(AVG, t.dtype)  # an average of integers is a clear error, as on every path
+        asked, opts.reduceOp = opts.reduceOp, dist.ReduceOp(summed(code))
+        try:
+            work = call()
+        finally:
+            opts.reduceOp = asked  # a caller may hand the same options to its next call
+        return GatheredWork([work], list(outputs), lambda: [t.div_(self._size) for t in outputs])
+
+    def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+        return self._avg(opts, tensors, lambda: self._gloo.allreduce(tensors, opts))
+
+    def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+        return self._avg(opts, tensors, lambda: self._gloo.allreduce_coalesced(tensors, opts))
+
+    def reduce(self, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+        mine = tensors if self._gloo.rank() == opts.rootRank else []
+        return self._avg(opts, mine, lambda: self._gloo.reduce(tensors, opts))
+
+    def reduce_scatter(self, outputs: Sequence[torch.Tensor], inputs: Any, opts: Any) -> Any:
+        return self._avg(opts, outputs, lambda: self._gloo.reduce_scatter(outputs, inputs, opts))
+
+    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
+        return self._avg(opts, [output], lambda: self._gloo._reduce_scatter_base(output, inp, opts))

@@ -57,7 +57,7 @@ from . import check as shm_check
 from . import forms
 from .agree import encode
 from .calls import Collectives
-from .cross import Hierarchy, cross_group
+from .cross import Hierarchy, SumThenDivide, cross_group
 from .handover import map_segment
 from .local import LocalEngine
 from .node import NodePlan, check_local_size, parse_who, plan_node, whoami
@@ -128,7 +128,8 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         check_local_size(plan, self._options.local_size, rank)
         self._plan = plan
         if plan.whole_gloo is not None:
-            self._world = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+            self._world = SumThenDivide(dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout),
+                                        size)
             return plan.whole_gloo
         seconds = timeout.total_seconds()
         seg, socks = map_segment(store, rank, plan, seconds, shm_check.slot_bytes(os.environ))
@@ -139,7 +140,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             return f"shared memory among {plan.local_size} ranks"
         cross = cross_group(dist.PrefixStore(f"cross/{plan.local_rank}", store), plan, timeout, self._options.inter)
         self._hier = Hierarchy(self._eng, plan, cross)
-        self._world = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+        self._world = SumThenDivide(dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout), size)
         return (f"shared memory within each of {plan.nodes} nodes ({plan.local_size} ranks each), "
                 f"{self._options.inter} between them")
 

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from cpuddp.errors import BackendError
 
-__all__ = ["reducer", "rows_reducer", "staged", "flat_bytes", "check_tensors", "AVG", "SUM"]
+__all__ = ["reducer", "rows_reducer", "summed", "staged", "flat_bytes", "check_tensors", "AVG", "SUM"]
 
 _RedOp = dist.ReduceOp.RedOpType
 AVG, SUM = _RedOp.AVG, _RedOp.SUM
@@ -116,6 +116,13 @@ def _rows_kernel(whole: Callable[..., torch.Tensor], dtype: torch.dtype) -> bool
         except (RuntimeError, TypeError, NotImplementedError):
             _rows_work[key] = False
     return _rows_work[key]
+
+
+def summed(code: Any) -> Any:
+    """The op a backend underneath is asked for: SUM for AVG (the shm group divides the sum
+    itself on every path -- shared memory, the hierarchy, whole gloo: torch 2.8's gloo returns
+    the sum for an AVG reduce_scatter), else ``code``."""
+    return SUM if code == AVG else code
 
 
 def check_tensors(tensors: Sequence[Any], what: str) -> None:
