@@ -178,6 +178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tables += format_table(coll, opts.ns, cells, sums)
         report[coll] = {"cells": {str(n): {str(s): c for s, c in v.items()} for n, v in cells.items()},
                         "summary": {str(n): v for n, v in sums.items()}}
+        (out / "scale.md").write_text("\n".join(tables) + "\n")  # so far: a run cut short keeps its tables
     for n in opts.ns:
         for flag, script in ((opts.ddp, "shm_ddp.py"), (opts.shard, "shard.py")):
             if flag:
