@@ -119,7 +119,7 @@ class Waiter:
             if not self.seg.alive(i) or (pid is not None and not pid_alive(pid)):
                 pid_text = f", pid {pid}" if pid is not None else ", in another PID namespace"
                 raise dist.DistBackendError(
-                    f"shm: {who}) on this node died while rank {self.rank} waited for them in {what}")
+                    f"shm: {who}{pid_text}) on this node died while rank {self.rank} waited for them in {what}")
 
     def check_abort(self) -> None:
         aborted = self.seg.words[W_ABORT]
