@@ -94,6 +94,18 @@ def _name_holder(rank: int, size: int) -> Any:
     return create(rank, size, opts)
 
 
+def _require_x86() -> None:
+    """The segment's protocol relies on x86's store ordering: a group that would map one on
+    another CPU is refused here, where plain ``init_process_group("shm")`` passes too (auto
+    never picks shm there)."""
+    import platform
+
+    arch = platform.machine() or "unknown"
+    if arch.lower() not in shm_check.X86_MACHINES:
+        raise BackendError(f"the shm backend needs an x86 CPU (its shared-memory protocol relies on x86's store "
+                           f"ordering); this one is {arch}", fix="use backend='gloo' (or 'auto', which picks it here)")
+
+
 class ShmProcessGroup(Collectives, dist.ProcessGroup):
     """The ``shm`` process group (see the module docstring; the collectives are in
     :mod:`cpuddp.backends.shm.calls`)."""
@@ -131,6 +143,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             self._world = SumThenDivide(dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout),
                                         size)
             return plan.whole_gloo
+        _require_x86()
         seconds = timeout.total_seconds()
         seg, socks = map_segment(store, rank, plan, seconds, shm_check.slot_bytes(os.environ))
         waiter = Waiter(seg, plan.local, plan.peer_pids, rank, seconds, plan.spin)
