@@ -14,9 +14,9 @@ timeout otherwise.  How it waits, and why:
   on 2 CPUs took 0.5 s for 4 MiB with a 50 ms spin).
 * then sleeps that grow with the wait: each at most 1/8 of the time waited so far, from
   :data:`SLEEP_FIRST` up to :data:`SLEEP_MAX` (2 ms).  A sleep costs at most ~1/8 more than
-  the wait it ends (a fixed 0.2 ms sleep made a rank that arrived first 4-5x slower than the
-  copy it waited for), and a wait of seconds for a late peer wakes ~500 times a second, not
-  5,000.
+  the wait it ends (a fixed 0.2 ms sleep -- ~0.26 ms with the kernel's timer slack -- could cost
+  a rank that arrived first several times the copy it waited for), and a wait of seconds for a
+  late peer wakes ~450 times a second, not ~2,500 (``benchmarks/wait_cost.py``).
 * every 0.1 s, a check that each late peer lives (the kernel-held lock of
   :meth:`cpuddp.backends.shm.segment.Segment.alive`, which works across PID namespaces, and
   its pid where it is visible) and has not left the group.
