@@ -14,7 +14,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from cpuddp.topology.model import format_cpulist
 
@@ -85,11 +85,7 @@ def _meta(cfg: BenchConfig, env: Any, n: int) -> dict[str, Any]:
     infos = exchange_json(_rank_info())
     session = get_session()  # what init chose: the backend, the pin plan
     plan = session.pin_plan if session is not None else None
-    ceiling = None
-    if cfg.ceiling:
-        if dist.get_rank() == 0:
-            ceiling = measure_copy_bandwidth(cfg.ceiling_size)
-        dist.barrier()
+    ceiling = _ceiling_all_at_once(cfg.ceiling_size, len({i["host_id"] for i in infos})) if cfg.ceiling else None
     backend = str(dist.get_backend())
     chosen = session.backend if session is not None else None
     return {
@@ -107,6 +103,24 @@ def _meta(cfg: BenchConfig, env: Any, n: int) -> dict[str, Any]:
     }
 
 
+def _ceiling_all_at_once(nbytes: int, nodes: int) -> dict[str, Any]:
+    """The copy bandwidth each rank gets while every rank copies (a barrier before each copy):
+    what N ranks share, not what one rank alone gets.  ``gbps``: the ranks' median;
+    ``node_gbps``: their sum per node."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    mine = measure_copy_bandwidth(nbytes, sync=dist.barrier)
+    rates = [r["gbps"] for r in exchange_json(mine)]
+    return dict(mine, gbps=statistics.median(rates), node_gbps=sum(rates) / max(1, nodes), ranks=len(rates),
+                rank_gbps=rates)
+
+
+def _node_gbps(meta: dict[str, Any]) -> Any:
+    c = meta.get("ceiling")
+    return c.get("node_gbps", c["gbps"]) if c else None
+
+
 def _sweep(cfg: BenchConfig, shaped: Sequence[tuple[int, int]], rank: int, n: int,
            meta: dict[str, Any]) -> int:
     """The nccl-tests table: one row per size."""
@@ -119,13 +133,13 @@ def _sweep(cfg: BenchConfig, shaped: Sequence[tuple[int, int]], rank: int, n: in
         op = _make_op(cfg.collective, count, dtype, cfg.inplace, rank, n)
         seconds = _max_over_ranks(_timed(op.call, cfg.warmup, cfg.iters))
         wrong = _sum_over_ranks(_check(op, dtype)) if cfg.check else -1
-        row = make_row(cfg.collective, n, nbytes, count, cfg.dtype, seconds, wrong, cfg.inplace)
+        row = make_row(cfg.collective, n, nbytes, count, cfg.dtype, seconds, wrong, cfg.inplace, _node_gbps(meta))
         rows.append(row)
         if rank == 0:
             out(report.format_row(row))
         del op
     ceiling = meta.get("ceiling")
-    summary = summarize(rows, cfg.min_busbw, ceiling["gbps"] if ceiling else None)
+    summary = summarize(rows, cfg.min_busbw, ceiling["gbps"] if ceiling and n > 1 else None)  # 1 rank: no fraction
     if rank == 0:
         for line in report.format_summary(summary):
             out(line)
@@ -170,14 +184,15 @@ def _compare_backends(cfg: BenchConfig, shaped: Sequence[tuple[int, int]], rank:
             wrong = _sum_over_ranks(_check(ops[b], dtype)) if cfg.check else -1
             wrong_total += max(wrong, 0)
             rows[b] = make_row(cfg.collective, n, nbytes, count, cfg.dtype, statistics.median(times[b]), wrong,
-                               cfg.inplace)
+                               cfg.inplace, _node_gbps(meta))
         out_rows.append(backend_row(names, rows, times))
         if rank == 0:
             out(report.format_backend_row(out_rows[-1], names))
         del ops
     code = EXIT_WRONG if wrong_total else EXIT_OK
     if rank == 0:
-        for line in report.backend_footer(names, out_rows, meta.get("ceiling"), cfg.check, wrong_total, code):
+        for line in report.backend_footer(names, out_rows, meta.get("ceiling") if n > 1 else None, cfg.check,
+                                          wrong_total, code):
             out(line)
         result = {"format": "cpuddp-bench-backends/1", "meta": dict(meta, backends=names), "rows": out_rows}
         report.write_backend_outputs(cfg, result)
@@ -357,8 +372,9 @@ def _check(op: _Op, dtype: "torch.dtype") -> int:
 # --------------------------------------------------------------------------- the rank's surroundings
 
 
-def measure_copy_bandwidth(nbytes: int, reps: int = 5) -> dict[str, Any]:
-    """Median rate of ``dst.copy_(src)`` over ``reps`` runs of ``nbytes`` (GB/s = 1e9 B/s copied)."""
+def measure_copy_bandwidth(nbytes: int, reps: int = 5, sync: Optional[Callable[[], Any]] = None) -> dict[str, Any]:
+    """Median rate of ``dst.copy_(src)`` over ``reps`` runs of ``nbytes`` (GB/s = 1e9 B/s copied);
+    ``sync()`` before each run (a barrier: every rank copies at once)."""
     import torch
 
     n = max(1, nbytes // 4)
@@ -367,6 +383,8 @@ def measure_copy_bandwidth(nbytes: int, reps: int = 5) -> dict[str, Any]:
     dst.copy_(src)  # first touch and warm-up
     rates = []
     for _ in range(reps):
+        if sync is not None:
+            sync()
         t0 = time.perf_counter()
         dst.copy_(src)
         dt = time.perf_counter() - t0

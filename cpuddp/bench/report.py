@@ -36,7 +36,7 @@ def out(line: str = "") -> None:
 # (title, unit, width) per column; rows use the same widths.
 _COLUMNS = (("size", "(B)", 12), ("count", "(elements)", 12), ("type", "", 8), ("redop", "", 6),
             ("root", "", 6), ("time", "(us)", 10), ("algbw", "(GB/s)", 7), ("busbw", "(GB/s)", 7),
-            ("#wrong", "", 6))
+            ("bound", "(x)", 7), ("#wrong", "", 6))
 
 
 def _head_line(which: int) -> str:
@@ -54,8 +54,9 @@ def _fmt_time(us: float) -> str:
 def format_row(row: Row) -> str:
     """One table line, aligned with :data:`_HEAD`."""
     wrong = "N/A" if row.wrong < 0 else str(row.wrong)
+    bound = f"{row.time_us / row.bound_us:7.1f}" if row.bound_us > 0 else f"{'-':>7s}"
     return (f"{row.size:12d}  {row.count:12d}  {row.type:>8s}  {row.redop:>6s}  {row.root:6d}  "
-            f"{_fmt_time(row.time_us)}  {row.algbw:7.3f}  {row.busbw:7.3f}  {wrong:>6s}")
+            f"{_fmt_time(row.time_us)}  {row.algbw:7.3f}  {row.busbw:7.3f}  {bound}  {wrong:>6s}")
 
 
 def format_rows(rows: Sequence[Row]) -> list[str]:
@@ -84,12 +85,13 @@ def format_summary(summary: Mapping[str, Any]) -> list[str]:
 
 def rows_to_csv(rows: Sequence[Row]) -> str:
     """CSV text: a header line, then one line per size (no comment lines)."""
-    cols = ["size", "count", "type", "redop", "root", "time_us", "algbw_gbps", "busbw_gbps", "wrong", "inplace"]
+    cols = ["size", "count", "type", "redop", "root", "time_us", "algbw_gbps", "busbw_gbps", "wrong", "inplace",
+            "bound_us"]
     lines = [",".join(cols)]
     for r in rows:
         lines.append(",".join(str(v) for v in (
             r.size, r.count, r.type, r.redop, r.root, f"{r.time_us:.3f}", f"{r.algbw:.6f}", f"{r.busbw:.6f}",
-            r.wrong, int(r.inplace))))
+            r.wrong, int(r.inplace), f"{r.bound_us:.3f}")))
     return "\n".join(lines) + "\n"
 
 
@@ -131,8 +133,18 @@ def header_lines(meta: Mapping[str, Any]) -> list[str]:
         lines.append(f"#   ... and {len(ranks) - 8} more ranks (see --json)")
     c = meta.get("ceiling")
     if c:
-        lines.append(f"# memory-copy ceiling: {c['gbps']:.2f} GB/s (rank 0, {format_size(c['bytes'])} torch copy_, "
-                     f"{c['threads']} thread(s), median of {c['reps']}; range {c['min_gbps']:.2f}-{c['max_gbps']:.2f})")
+        lines.append(f"# memory-copy ceiling: {c['gbps']:.2f} GB/s per rank with all {c.get('ranks', 1)} rank(s) "
+                     f"copying at once (node: {c.get('node_gbps', c['gbps']):.2f} GB/s; {format_size(c['bytes'])} "
+                     f"torch copy_, {c['threads']} thread(s), median of {c['reps']}; rank 0's range "
+                     f"{c['min_gbps']:.2f}-{c['max_gbps']:.2f})")
+        if meta["nranks"] > 1:
+            lines.append("# bound: the time over the memory bound, every rank moving about "
+                         "5x (allreduce), 3x (reduce_scatter), 2x (all_gather, broadcast) the size at the node's "
+                         "copy bandwidth (1.0 = the hardware's limit)")
+    if meta["nranks"] == 1:
+        lines.append(f"# ONE RANK: no communication -- each call returns at once and no bandwidth or ceiling "
+                     f"fraction means anything. Fix: cpuddp bench {meta['collective']} --nproc N (N local ranks), "
+                     "or start it under a launcher")
     return lines
 
 

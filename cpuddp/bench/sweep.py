@@ -5,6 +5,12 @@ Columns and factors as in NVIDIA/nccl-tests ``doc/PERFORMANCE.md``: ``algbw = si
 ``busbw = algbw * factor`` with ``2(n-1)/n`` for allreduce, ``(n-1)/n`` for all_gather,
 reduce_scatter, gather, scatter and all_to_all, ``1`` for broadcast and reduce.  A barrier moves
 nothing: one row of size 0, its time the point.
+
+The memory bound (:func:`bound_seconds`): what the shm algorithm must move through memory, per
+rank, at the node's copy bandwidth shared by every rank -- about 5x the size for an allreduce
+(copy-in: read and write; reduce-scatter: read every rank's part; all-gather: read and write),
+:data:`TRAFFIC` for the others.  A row's time over it says how far the run is from the
+hardware, independent of nccl-tests' bus factor.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any, Mapping, Optional, Sequence
 __all__ = [
     "EXIT_OK", "EXIT_ERROR", "EXIT_USAGE", "EXIT_WRONG", "EXIT_BELOW_MIN", "COLLECTIVES", "DTYPES",
     "SPLIT", "Row", "sweep_sizes", "shaped_sizes", "bus_factor", "shape_size", "make_row", "summarize", "exit_code",
-    "backend_row",
+    "backend_row", "TRAFFIC", "bound_seconds",
 ]
 
 EXIT_OK = 0
@@ -111,6 +117,21 @@ def shaped_sizes(minimum: int, maximum: int, factor: float, collective: str, nra
     return out
 
 
+#: Bytes of memory traffic per rank per byte of the collective's size, shm's algorithm (reads +
+#: writes: a copy of S bytes moves 2S): allreduce copy-in 2, reduce-scatter 1, all-gather 2.
+TRAFFIC = {"allreduce": 5.0, "reduce_scatter": 3.0, "reduce": 3.0, "all_gather": 2.0, "gather": 2.0,
+           "scatter": 2.0, "broadcast": 2.0, "all_to_all": 4.0, "barrier": 0.0}
+
+
+def bound_seconds(collective: str, nranks: int, nbytes: int, node_copy_gbps: Optional[float]) -> float:
+    """The least time the algorithm can take on a node whose ranks copy ``node_copy_gbps`` GB/s
+    together (bytes copied; the traffic is twice that): every rank moves ``TRAFFIC * nbytes``.
+    0.0 when there is no bound (one rank, a barrier, no ceiling)."""
+    if nranks < 2 or not node_copy_gbps or not nbytes:
+        return 0.0
+    return TRAFFIC[collective] * nbytes * nranks / (2.0 * node_copy_gbps * 1e9)
+
+
 @dataclass
 class Row:
     """One line of the table."""
@@ -125,16 +146,18 @@ class Row:
     busbw: float
     wrong: int
     inplace: bool = True
+    bound_us: float = 0.0  # the memory bound (bound_seconds), 0 when none
 
 
 def make_row(collective: str, nranks: int, nbytes: int, count: int, dtype: str, seconds: float,
-             wrong: int, inplace: bool) -> Row:
-    """Turn a measured time into a row (pure)."""
+             wrong: int, inplace: bool, node_copy_gbps: Optional[float] = None) -> Row:
+    """Turn a measured time into a row (pure); with the node's copy bandwidth, its memory bound."""
     algbw = nbytes / 1e9 / seconds if seconds > 0 else 0.0
     busbw = algbw * bus_factor(collective, nranks)
     redop = "sum" if collective in ("allreduce", "reduce_scatter", "reduce") else "none"
     root = 0 if collective in ("broadcast", "reduce", "gather", "scatter") else -1
-    return Row(nbytes, count, dtype, redop, root, seconds * 1e6, algbw, busbw, wrong, inplace)
+    bound = bound_seconds(collective, nranks, nbytes, node_copy_gbps)
+    return Row(nbytes, count, dtype, redop, root, seconds * 1e6, algbw, busbw, wrong, inplace, bound * 1e6)
 
 
 def summarize(rows: Sequence[Row], min_busbw: Optional[float] = None,

@@ -121,43 +121,53 @@ def describe(call: Sequence[int]) -> str:
 
 
 class Ring:
-    """This rank's view of the node's descriptor rings and control lines in the segment."""
+    """This rank's view of the node's descriptor rings and control lines in the segment.  Each
+    check is one pass over a view of every rank's words (``min`` over a step slice, one bytes
+    comparison of a ring entry across ranks), not a loop over the peers."""
 
     def __init__(self, seg: Any) -> None:
-        from .segment import C_CHECKED, C_POSTED
+        from .segment import C_CHECKED
 
-        self._seg, self._posted, self._checked = seg, C_POSTED, C_CHECKED
+        self._seg, self._checked = seg, C_CHECKED
         self.me = seg.local_rank
+        self._entry = shm_check.DESC_BYTES
 
     def slot_free(self, seq: int) -> List[int]:
         """Local ranks that have not checked call ``seq - RING`` yet (this rank may not overwrite
         ring entry ``seq % RING`` before they have)."""
         need = seq - shm_check.RING
-        return [i for i, line in enumerate(self._seg.lines) if i != self.me and line[self._checked] < need]
+        checked = self._seg.checked
+        return [] if min(checked) >= need else [i for i in self._seg.late(checked, need) if i != self.me]
 
     def post(self, seq: int, call: Call) -> None:
         entry = self._seg.rings[self.me][seq % shm_check.RING]
         entry[1:1 + WORDS] = call.words()
         entry[0] = seq
-        self._seg.lines[self.me][self._posted] = seq  # x86 TSO: peers that see this see the entry
+        self._seg.posted[self.me] = seq  # x86 TSO: peers that see this see the entry
 
     def late(self, seq: int) -> List[int]:
         """Local ranks that have not posted call ``seq`` yet."""
-        return [i for i, line in enumerate(self._seg.lines) if i != self.me and line[self._posted] < seq]
+        posted = self._seg.posted
+        return [] if min(posted) >= seq else self._seg.late(posted, seq)
 
     def compare(self, seq: int, call: Call, rank_of: Sequence[int]) -> None:
         """Raise :class:`CallMismatch` if any local peer's call ``seq`` differs from ``call``."""
+        seg, size = self._seg, self._seg.size
+        at = seg.ring_at[seq % shm_check.RING]
+        mine = bytes(seg.mm[at + self.me * self._entry:at + (self.me + 1) * self._entry])
+        if seg.mm[at:at + size * self._entry] != mine * size:
+            self._mismatch(seq, call, rank_of)
+        seg.checked[self.me] = seq
+
+    def _mismatch(self, seq: int, call: Call, rank_of: Sequence[int]) -> None:
         mine = call.words()
         for i in range(self._seg.size):
-            if i == self.me:
-                continue
             entry = self._seg.rings[i][seq % shm_check.RING]
             theirs = tuple(entry[1:1 + WORDS])
-            if entry[0] != seq or theirs != mine:
+            if i != self.me and (entry[0] != seq or theirs != mine):
                 raise CallMismatch(
                     f"collective call #{seq} differs between the ranks of this node: rank {rank_of[self.me]} called "
                     f"{describe(mine)}, rank {rank_of[i]} called "
                     f"{describe(theirs) if entry[0] == seq else f'call #{entry[0]} in that slot'}. Every rank must "
                     "call the same collectives in the same order with the same op, dtype, root and element count; "
                     "no data was read, and the group is now broken")
-        self._seg.lines[self.me][self._checked] = seq

@@ -152,8 +152,10 @@ class Collectives:
             (self._hier or self._eng).all_gather(fin, flats)
 
     def _all_gather_single(self, output: torch.Tensor, inp: torch.Tensor) -> None:
-        with staged(output, out=True) as flat:
-            self._all_gather(inp, list(flat.view(self.size(), -1)) if inp.numel() else [flat] * self.size())
+        with staged(output, out=True) as flat, staged(inp, out=False) as fin:
+            # the output's rows as one view: the engine copies them in one op, not one per rank
+            rows = list(flat_bytes(flat).view(self.size(), -1)) if inp.numel() else [flat_bytes(flat)] * self.size()
+            (self._hier or self._eng).all_gather(flat_bytes(fin), rows)
 
     def all_gather_single(self, output: Any, input: Any, *args: Any, **kw: Any) -> Any:  # noqa: A002
         if self._eng is None:

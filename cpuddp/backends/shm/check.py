@@ -92,7 +92,7 @@ def layout(local_world_size: int, slot: int) -> Tuple[int, int, int]:
 
 
 def ring_offset(local_world_size: int) -> int:
-    """Offset of the descriptor rings (rank-major: rank r's entry i at ``+ (r * RING + i) * DESC_BYTES``)."""
+    """Offset of the descriptor rings (entry-major: rank r's entry i at ``+ (i * local ranks + r) * DESC_BYTES``)."""
     return HEADER_BYTES + _round_up(COUNTER_STRIDE * local_world_size, PAGE)
 
 

@@ -31,10 +31,12 @@ import torch.distributed as dist
 
 from cpuddp.errors import BackendError
 
-from .local import LocalEngine, _parts, _reduce_into
+from .local import LocalEngine
 from .node import NodePlan
+from .ops import AVG, reducer, rows_reducer, summed
+from .stream import GatheredWork
 
-__all__ = ["Hierarchy", "cross_group", "INTER_CHOICES"]
+__all__ = ["Hierarchy", "cross_group", "SumThenDivide", "INTER_CHOICES"]
 
 INTER_CHOICES = ("gloo", "ccl")
 
@@ -61,19 +63,19 @@ class Hierarchy:
         self.me, self.n, self.node = plan.local_rank, plan.local_size, plan.node
 
     def all_reduce(self, flat: torch.Tensor, code: Any, fn: Callable[..., Any]) -> None:
-        eng, me, n = self.eng, self.me, self.n
-        slots = eng.seg.slots(flat.dtype)
+        eng, me = self.eng, self.me
+        rows, red = eng.seg.rows(flat.dtype), rows_reducer(fn, flat.dtype)
         chunks = eng._rounds(flat.numel(), eng._cap(flat))
-        spans = [_parts(k, n, me) for _, k in chunks]
+        spans = [eng.my_part(k, flat.element_size()) for _, k in chunks]
         part = torch.empty(sum(hi - lo for lo, hi in spans), dtype=flat.dtype)
         pos = 0
         for (o, k), (lo, hi) in zip(chunks, spans):
             e = eng.epoch + 1
-            buf = slots[e & 1]
-            buf[me][:k].copy_(flat[o:o + k])
+            buf = rows[e & 1]
+            buf[me, :k].copy_(flat[o:o + k])
             eng.sync(e)
             if hi > lo:
-                _reduce_into(part[pos:pos + hi - lo], [s[lo:hi] for s in buf], fn)
+                red(eng.part_rows(buf, lo, hi), part[pos:pos + hi - lo])
             pos += hi - lo
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp(code)
@@ -81,13 +83,11 @@ class Hierarchy:
         pos = 0
         for (o, k), (lo, hi) in zip(chunks, spans):
             e = eng.epoch + 1
-            buf = slots[e & 1]
-            buf[me][lo:hi].copy_(part[pos:pos + hi - lo])
+            buf = rows[e & 1]
+            buf[me, lo:hi].copy_(part[pos:pos + hi - lo])
             pos += hi - lo
             eng.sync(e)
-            for r in range(n):
-                a, b = _parts(k, n, r)
-                flat[o + a:o + b].copy_(buf[r][a:b])
+            eng.parts_out(buf, k, flat[o:o + k])
 
     def broadcast(self, flat: torch.Tensor, root: int) -> None:
         node, lr = self._where(root)
@@ -112,7 +112,7 @@ class Hierarchy:
                        fn: Callable[..., Any]) -> None:
         """``inps[r]``: the part for group rank r.  ``out`` gets the reduction of this rank's part."""
         nodes, k, grid = self.plan.nodes, out.numel(), self.plan.grid
-        supers = [torch.cat([inps[grid[j][i]] for j in range(nodes)]) for i in range(self.n)]
+        supers = list(torch.cat([inps[grid[j][i]] for i in range(self.n) for j in range(nodes)]).view(self.n, -1))
         node_sum = torch.empty(nodes * k, dtype=out.dtype)
         self.eng.reduce_scatter(supers, node_sum, fn)
         # between nodes an all_reduce of the column's parts, this node's kept: what gloo's
@@ -156,3 +156,46 @@ class Hierarchy:
         mine = self.eng.rank
         out.copy_(packed[mine * k:(mine + 1) * k])
 
+
+
+class SumThenDivide:
+    """A gloo group of every rank (a group that runs every collective on gloo, and the one the
+    hierarchy keeps for all_to_all and point-to-point) that never sees ``ReduceOp.AVG``: an AVG
+    reduction runs as SUM and the outputs are divided by the group size once it finished, as on
+    the shared-memory paths (torch 2.8's gloo returns the sum for an AVG reduce_scatter).
+    Everything else is the gloo group's own."""
+
+    def __init__(self, gloo: Any, size: int) -> None:
+        self._gloo, self._size = gloo, size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._gloo, name)
+
+    def _avg(self, opts: Any, outputs: Sequence[torch.Tensor], call: Callable[[], Any]) -> Any:
+        code = getattr(opts.reduceOp, "op", opts.reduceOp)
+        if code != AVG:
+            return call()
+        for t in outputs:
+            reducer(AVG, t.dtype)  # an average of integers is a clear error, as on every path
+        asked, opts.reduceOp = opts.reduceOp, dist.ReduceOp(summed(code))
+        try:
+            work = call()
+        finally:
+            opts.reduceOp = asked  # a caller may hand the same options to its next call
+        return GatheredWork([work], list(outputs), lambda: [t.div_(self._size) for t in outputs])
+
+    def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+        return self._avg(opts, tensors, lambda: self._gloo.allreduce(tensors, opts))
+
+    def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+        return self._avg(opts, tensors, lambda: self._gloo.allreduce_coalesced(tensors, opts))
+
+    def reduce(self, tensors: Sequence[torch.Tensor], opts: Any) -> Any:
+        mine = tensors if self._gloo.rank() == opts.rootRank else []
+        return self._avg(opts, mine, lambda: self._gloo.reduce(tensors, opts))
+
+    def reduce_scatter(self, outputs: Sequence[torch.Tensor], inputs: Any, opts: Any) -> Any:
+        return self._avg(opts, outputs, lambda: self._gloo.reduce_scatter(outputs, inputs, opts))
+
+    def _reduce_scatter_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any) -> Any:
+        return self._avg(opts, [output], lambda: self._gloo._reduce_scatter_base(output, inp, opts))

@@ -57,7 +57,7 @@ from . import check as shm_check
 from . import forms
 from .agree import encode
 from .calls import Collectives
-from .cross import Hierarchy, cross_group
+from .cross import Hierarchy, SumThenDivide, cross_group
 from .handover import map_segment
 from .local import LocalEngine
 from .node import NodePlan, check_local_size, parse_who, plan_node, whoami
@@ -94,6 +94,18 @@ def _name_holder(rank: int, size: int) -> Any:
     return create(rank, size, opts)
 
 
+def _require_x86() -> None:
+    """The segment's protocol relies on x86's store ordering: a group that would map one on
+    another CPU is refused here, where plain ``init_process_group("shm")`` passes too (auto
+    never picks shm there)."""
+    import platform
+
+    arch = platform.machine() or "unknown"
+    if arch.lower() not in shm_check.X86_MACHINES:
+        raise BackendError(f"the shm backend needs an x86 CPU (its shared-memory protocol relies on x86's store "
+                           f"ordering); this one is {arch}", fix="use backend='gloo' (or 'auto', which picks it here)")
+
+
 class ShmProcessGroup(Collectives, dist.ProcessGroup):
     """The ``shm`` process group (see the module docstring; the collectives are in
     :mod:`cpuddp.backends.shm.calls`)."""
@@ -128,8 +140,10 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         check_local_size(plan, self._options.local_size, rank)
         self._plan = plan
         if plan.whole_gloo is not None:
-            self._world = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+            self._world = SumThenDivide(dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout),
+                                        size)
             return plan.whole_gloo
+        _require_x86()
         seconds = timeout.total_seconds()
         seg, socks = map_segment(store, rank, plan, seconds, shm_check.slot_bytes(os.environ))
         waiter = Waiter(seg, plan.local, plan.peer_pids, rank, seconds, plan.spin)
@@ -139,19 +153,16 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             return f"shared memory among {plan.local_size} ranks"
         cross = cross_group(dist.PrefixStore(f"cross/{plan.local_rank}", store), plan, timeout, self._options.inter)
         self._hier = Hierarchy(self._eng, plan, cross)
-        self._world = dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout)
+        self._world = SumThenDivide(dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout), size)
         return (f"shared memory within each of {plan.nodes} nodes ({plan.local_size} ranks each), "
                 f"{self._options.inter} between them")
 
     def _thread_setup(self) -> None:
-        """On the communication thread: its ops use one OpenMP thread; it yields only briefly."""
+        """On the communication thread: its ops use one OpenMP thread."""
         import ctypes
-        import threading
 
         with contextlib.suppress(AttributeError, OSError):
             ctypes.CDLL(None).omp_set_num_threads(1)
-        if self._eng is not None:
-            self._eng.waiter.comm_thread = threading.get_ident()
 
     @property
     def shm_calls(self) -> int:

@@ -11,16 +11,28 @@ in the caches).
 
 Per collective (``n`` local ranks, ``me`` this rank's local rank):
 
+Per-call work does not grow with ``n``: the slots of a buffer are one ``[n, slot]`` view
+(:meth:`~cpuddp.backends.shm.segment.Segment.rows`), so a rank reads or writes every slot in
+one op -- one reduction over dim 0 (:func:`cpuddp.backends.shm.ops.rows_reducer`), one strided
+copy of the parts every rank reduced (the diagonal blocks of the view) -- and every op covers
+whole slots, big enough for the rank's intra-op threads.
+
 * ``all_reduce``: 2 ranks -- each copies its chunk in, then sums ``slot0 + slot1`` in rank
   order straight into its own tensor (its own operand read from its tensor, not the slot);
-  3 or more -- rank ``i`` reduces part ``i`` of the chunk over every slot into its slot of the
-  other buffer, a second round, then every rank copies all parts out.  Every element is
-  reduced in rank order by one code path: the result is bit-identical on every rank.
-* ``reduce``: like all_reduce, only the root reduces; the others' tensors are not changed.
+  3 or more -- rank ``i`` reduces part ``i`` of the chunk (parts of equal, 64-byte aligned
+  length, the last one shorter) over every slot, in one op, into its slot of the other buffer;
+  a second round; then every rank copies every part out in one strided copy (two when the
+  last part is short).  Each element is reduced by exactly one rank: the result is
+  bit-identical on every rank.
+* ``reduce``: like all_reduce, only the root reduces (one op over every slot); the others'
+  tensors are not changed.
 * ``broadcast``: the root copies in, the others copy out.
-* ``all_gather`` / ``gather``: each rank copies in, each rank (the root) copies every slot out.
-* ``reduce_scatter``: each rank copies the parts other ranks own into its slot, then reduces
-  its own part in rank order from every slot (its own operand from its input).
+* ``all_gather`` / ``gather``: each rank copies in, each rank (the root) copies the other
+  slots out -- one strided copy on each side of its own row when the outputs are evenly spaced
+  rows of one tensor (the single-tensor forms), one copy per rank otherwise (separate tensors).
+* ``reduce_scatter``: each rank copies its input's parts into regions of its slot (one strided
+  copy when the parts are evenly spaced), then reduces its own region of every slot in one op
+  (2 ranks: its own operand from its input, as all_reduce).
 * ``scatter``: the root copies part ``r`` into region ``r`` of its slot; rank ``r`` copies it out.
 * ``all_to_all``: a first round exchanges every rank's send and receive sizes (an error on every
   rank if they do not match); then each round carries up to ``slot / n`` bytes per pair.
@@ -40,27 +52,50 @@ import torch
 import torch.distributed as dist
 
 from .agree import Call, Ring, describe
+from .ops import rows_reducer
 from .segment import C_CHECKED, W_ABORT, Segment
 from .wait import Waiter
 
-__all__ = ["LocalEngine"]
+__all__ = ["LocalEngine", "part_length", "span", "rows_of", "block"]
 
 _ALIGN = 64
 
 
-def _parts(n: int, parts: int, i: int) -> Tuple[int, int]:
-    return i * n // parts, (i + 1) * n // parts
+def part_length(k: int, n: int, size: int) -> int:
+    """Elements per part when ``k`` elements split into ``n`` parts: equal, 64-byte aligned (the
+    last parts shorter or empty)."""
+    align = max(1, _ALIGN // size)
+    return max(align, -(-(-(-k // n)) // align) * align)
 
 
-def _reduce_into(dst: torch.Tensor, parts: Sequence[torch.Tensor], fn: Callable[..., Any]) -> None:
-    """``dst = parts[0] op parts[1] op ...`` in rank order (bit-identical wherever it runs).
-    ``dst`` may be ``parts[0]`` or ``parts[1]``, never a later part."""
-    if len(parts) == 1:
-        dst.copy_(parts[0])
-        return
-    fn(parts[0], parts[1], out=dst)
-    for p in parts[2:]:
-        fn(dst, p, out=dst)
+def span(p: int, k: int, i: int) -> Tuple[int, int]:
+    """Part ``i`` of ``k`` elements in parts of ``p``: ``(lo, hi)``, empty past the end."""
+    lo = min(i * p, k)
+    return lo, min(lo + p, k)
+
+
+def block(t: torch.Tensor, rows: int, cols: int, row_stride: int, offset: int) -> torch.Tensor:
+    """A ``[rows, cols]`` view of ``t``'s storage (element ``offset``, rows ``row_stride`` apart)."""
+    return torch.as_strided(t, (rows, cols), (row_stride, 1), offset)
+
+
+def rows_of(ts: Sequence[Optional[torch.Tensor]]) -> Optional[Tuple[torch.Tensor, int, int]]:
+    """``(first, step, offset)`` when ``ts`` are 1-D contiguous tensors of one size and dtype,
+    evenly spaced (``step`` elements apart, no overlap) in one storage: rows of one view
+    (:func:`block`); else None."""
+    first = ts[0]
+    if first is None or first.dim() != 1 or (first.numel() > 1 and first.stride(0) != 1):
+        return None
+    m, base = first.numel(), first.untyped_storage().data_ptr()
+    step = (ts[1].storage_offset() - first.storage_offset()) if len(ts) > 1 and ts[1] is not None else m
+    if step < m:
+        return None
+    for r, t in enumerate(ts):
+        if (t is None or t.numel() != m or t.dtype != first.dtype or (m > 1 and t.stride(0) != 1)
+                or t.storage_offset() != first.storage_offset() + r * step
+                or t.untyped_storage().data_ptr() != base):
+            return None
+    return first, step, first.storage_offset()
 
 
 class LocalEngine:
@@ -86,7 +121,8 @@ class LocalEngine:
         self.seq += 1
         seq = self.seq
         if self.n > 1 and self.ring.slot_free(seq):
-            self.waiter.until(lambda: self.ring.slot_free(seq), f"call #{seq - 16} to be checked", self._poll)
+            self.waiter.until(lambda: bool(self.ring.slot_free(seq)), lambda: self.ring.slot_free(seq),
+                              f"call #{seq - 16} to be checked", self._poll)
         self.ring.post(seq, call)
         self._unchecked = (seq, call)
         self.calls += 1
@@ -97,8 +133,8 @@ class LocalEngine:
             return
         seq, call = self._unchecked
         if self.ring.late(seq):
-            self.waiter.until(lambda: self.ring.late(seq), f"collective call #{seq} ({describe(call.words())})",
-                              self._poll)
+            self.waiter.until(lambda: bool(self.ring.late(seq)), lambda: self.ring.late(seq),
+                              f"collective call #{seq} ({describe(call.words())})", self._poll)
         self._unchecked = None
         self.ring.compare(seq, call, self.local)
 
@@ -112,12 +148,10 @@ class LocalEngine:
         the call's descriptors, posted before any round, are compared)."""
         seg = self.seg
         seg.mine.value = e
-        for c in seg.others:
-            if c.value < e:
-                counters = seg.counters
-                self.waiter.until(lambda: [i for i, x in enumerate(counters) if x.value < e],
-                                  f"a shared-memory round ({e})", self._poll)
-                break
+        arrived = seg.arrived
+        if min(arrived) < e:
+            self.waiter.until(lambda: min(arrived) < e, lambda: seg.late(arrived, e),
+                              f"a shared-memory round ({e})", self._poll)
         if self._unchecked is not None:
             self.settle()
         if seg.words[W_ABORT]:  # a peer gave up: what it left in the slots may be from a call it abandoned
@@ -144,6 +178,30 @@ class LocalEngine:
         per = (self.seg.slot // parts) // _ALIGN * _ALIGN
         return max(1, per // size)
 
+    def my_part(self, k: int, size: int) -> Tuple[int, int]:
+        """This rank's part ``(lo, hi)`` of a ``k``-element chunk of elements of ``size`` bytes."""
+        return span(part_length(k, self.n, size), k, self.me)
+
+    @staticmethod
+    def row(buf: torch.Tensor, r: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``lo:hi`` of row ``r`` of ``buf`` (one view op)."""
+        return torch.as_strided(buf, (hi - lo,), (1,), buf.storage_offset() + r * buf.stride(0) + lo)
+
+    def part_rows(self, buf: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Columns ``lo:hi`` of every row of ``buf``: what one op reduces."""
+        return block(buf, self.n, hi - lo, buf.stride(0), buf.storage_offset() + lo)
+
+    def parts_out(self, buf: torch.Tensor, k: int, dst: torch.Tensor) -> None:
+        """``dst`` (``k`` elements) gets part ``r`` of the chunk from row ``r`` of ``buf``, for every
+        ``r``: the diagonal blocks of the rows, in one strided copy (and one for a short last part)."""
+        p = part_length(k, self.n, buf.element_size())
+        whole = min(k // p, self.n)
+        if whole:
+            block(dst, whole, p, p, dst.storage_offset()).copy_(
+                block(buf, whole, p, buf.stride(0) + p, buf.storage_offset()))
+        if whole < self.n and whole * p < k:
+            dst[whole * p:k].copy_(self.row(buf, whole, whole * p, k))
+
     # ------------------------------------------------------------------ collectives
 
     def all_reduce(self, flat: torch.Tensor, fn: Callable[..., Any]) -> None:
@@ -159,7 +217,7 @@ class LocalEngine:
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.epoch + 1
             buf = slots[e & 1]
-            mine = flat[o:o + k]
+            mine = flat[o:o + k] if k != flat.numel() else flat
             buf[me][:k].copy_(mine)
             self.sync(e)
             theirs = buf[1 - me][:k]
@@ -169,35 +227,45 @@ class LocalEngine:
                 fn(theirs, mine, out=mine)
 
     def _all_reduce_parts(self, flat: torch.Tensor, fn: Callable[..., Any]) -> None:
-        slots, me, n = self.seg.slots(flat.dtype), self.me, self.n
+        rows, me, red = self.seg.rows(flat.dtype), self.me, rows_reducer(fn, flat.dtype)
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.epoch + 1
-            src, out = slots[e & 1], slots[(e + 1) & 1]
-            src[me][:k].copy_(flat[o:o + k])
+            src, out = rows[e & 1], rows[(e + 1) & 1]
+            chunk = flat[o:o + k] if k != flat.numel() else flat
+            self.row(src, me, 0, k).copy_(chunk)
             self.sync(e)
-            lo, hi = _parts(k, n, me)
+            lo, hi = self.my_part(k, flat.element_size())
             if hi > lo:
-                _reduce_into(out[me][lo:hi], [s[lo:hi] for s in src], fn)
+                red(self.part_rows(src, lo, hi), self.row(out, me, lo, hi))
             self.sync(e + 1)
-            for r in range(n):
-                a, b = _parts(k, n, r)
-                if b > a:
-                    flat[o + a:o + b].copy_(out[r][a:b])
+            self.parts_out(out, k, chunk)
 
     def reduce(self, flat: torch.Tensor, root: int, fn: Callable[..., Any]) -> None:
         if self.n == 1 or not flat.numel():
             return
+        if self.n == 2:
+            self._reduce_pair(flat, root, fn)
+            return
+        rows, me, red = self.seg.rows(flat.dtype), self.me, rows_reducer(fn, flat.dtype)
+        for o, k in self._rounds(flat.numel(), self._cap(flat)):
+            e = self.epoch + 1
+            buf = rows[e & 1]
+            buf[me, :k].copy_(flat[o:o + k])
+            self.sync(e)
+            if me == root:
+                red(buf[:, :k], flat[o:o + k])
+
+    def _reduce_pair(self, flat: torch.Tensor, root: int, fn: Callable[..., Any]) -> None:
         slots, me = self.seg.slots(flat.dtype), self.me
-        own_slot = me != root or me > 1  # the root's own operand must not be overwritten early
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.epoch + 1
             buf = slots[e & 1]
-            if own_slot:
+            if me != root:
                 buf[me][:k].copy_(flat[o:o + k])
             self.sync(e)
             if me == root:
-                parts = [flat[o:o + k] if r == me and not own_slot else buf[r][:k] for r in range(self.n)]
-                _reduce_into(flat[o:o + k], parts, fn)
+                mine, theirs = flat[o:o + k], buf[1 - me][:k]
+                fn(*((mine, theirs) if me == 0 else (theirs, mine)), out=mine)
 
     def broadcast(self, flat: torch.Tensor, root: int) -> None:
         """``flat``: bytes (:func:`cpuddp.backends.shm.ops.flat_bytes`)."""
@@ -207,11 +275,12 @@ class LocalEngine:
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.epoch + 1
             buf = slots[e & 1]
+            chunk = flat[o:o + k] if k != flat.numel() else flat
             if me == root:
-                buf[me][:k].copy_(flat[o:o + k])
+                buf[me][:k].copy_(chunk)
             self.sync(e)
             if me != root:
-                flat[o:o + k].copy_(buf[root][:k])
+                chunk.copy_(buf[root][:k])
 
     def all_gather(self, inp: torch.Tensor, outs: Sequence[Optional[torch.Tensor]], root: Optional[int] = None) -> None:
         """Bytes: ``outs[r]`` gets rank r's ``inp``.  With ``root``: a gather (only the root's
@@ -222,17 +291,33 @@ class LocalEngine:
             outs[me].copy_(inp)  # type: ignore[union-attr]
         if self.n == 1 or not inp.numel():
             return
-        slots = self.seg.slots(torch.uint8)
+        rows = self.seg.rows(torch.uint8)
+        spaced = rows_of(outs) if reads else None
         for o, k in self._rounds(inp.numel(), self._cap(inp)):
             e = self.epoch + 1
-            buf = slots[e & 1]
+            buf = rows[e & 1]
             if root != me or root is None:
-                buf[me][:k].copy_(inp[o:o + k])
+                buf[me, :k].copy_(inp[o:o + k] if k != inp.numel() else inp)
             self.sync(e)
             if reads:
-                for r in range(self.n):
-                    if r != me:
-                        outs[r][o:o + k].copy_(buf[r][:k])  # type: ignore[index]
+                self._copy_rows_out(buf, k, o, outs, spaced)
+
+    def _copy_rows_out(self, buf: torch.Tensor, k: int, o: int, outs: Sequence[Optional[torch.Tensor]],
+                       spaced: Optional[Tuple[torch.Tensor, int, int]]) -> None:
+        """Every other rank's row of ``buf`` (``k`` bytes) into its output at ``o``: the rows
+        before this rank's and those after it in one strided copy each, when the outputs are
+        evenly spaced rows (``spaced``), else one copy per rank."""
+        me, n = self.me, self.n
+        if spaced is None:
+            for r in range(n):
+                if r != me:
+                    outs[r][o:o + k].copy_(buf[r, :k])  # type: ignore[index]
+            return
+        first, step, off = spaced
+        for a, b in ((0, me), (me + 1, n)):
+            if b > a:
+                block(first, b - a, k, step, off + a * step + o).copy_(
+                    block(buf, b - a, k, buf.stride(0), buf.storage_offset() + a * buf.stride(0)))
 
     def reduce_scatter(self, inps: Sequence[torch.Tensor], out: torch.Tensor, fn: Callable[..., Any]) -> None:
         """``out`` gets the rank-order reduction of every rank's ``inps[me]``."""
@@ -241,18 +326,36 @@ class LocalEngine:
             if out.data_ptr() != inps[0].data_ptr():
                 out.copy_(inps[0])
             return
-        slots = self.seg.slots(out.dtype)
+        if n == 2:
+            self._reduce_scatter_pair(inps, out, fn)
+            return
+        rows, red = self.seg.rows(out.dtype), rows_reducer(fn, out.dtype)
         cap = self._cap(out, n)
+        spaced = rows_of(inps)
+        for o, c in self._rounds(out.numel(), cap):
+            e = self.epoch + 1
+            buf = rows[e & 1]
+            mine = block(buf, n, c, cap, buf.storage_offset() + me * buf.stride(0))  # region r of my slot
+            if spaced is not None:
+                first, step, off = spaced
+                mine.copy_(block(first, n, c, step, off + o))
+            else:
+                for r in range(n):
+                    mine[r].copy_(inps[r][o:o + c])
+            self.sync(e)
+            red(self.part_rows(buf, me * cap, me * cap + c), out[o:o + c] if c != out.numel() else out)
+
+    def _reduce_scatter_pair(self, inps: Sequence[torch.Tensor], out: torch.Tensor, fn: Callable[..., Any]) -> None:
+        me, slots = self.me, self.seg.slots(out.dtype)
+        cap = self._cap(out, 2)
+        other = 1 - me
         for o, c in self._rounds(out.numel(), cap):
             e = self.epoch + 1
             buf = slots[e & 1]
-            mine = buf[me]
-            for r in range(n):
-                if r != me:
-                    mine[r * cap:r * cap + c].copy_(inps[r][o:o + c])
+            buf[me][other * cap:other * cap + c].copy_(inps[other][o:o + c])
             self.sync(e)
-            parts = [inps[me][o:o + c] if r == me else buf[r][me * cap:me * cap + c] for r in range(n)]
-            _reduce_into(out[o:o + c], parts, fn)
+            mine, theirs = inps[me][o:o + c], buf[other][me * cap:me * cap + c]
+            fn(*((mine, theirs) if me == 0 else (theirs, mine)), out=out[o:o + c])
 
     def scatter(self, inps: Optional[Sequence[torch.Tensor]], out: torch.Tensor, root: int) -> None:
         """Bytes: rank r's ``out`` gets the root's ``inps[r]``."""
@@ -261,18 +364,23 @@ class LocalEngine:
             out.copy_(inps[me])
         if n == 1 or not out.numel():
             return
-        slots = self.seg.slots(torch.uint8)
+        rows = self.seg.rows(torch.uint8)
         cap = self._cap(out, n)
+        spaced = rows_of(inps) if me == root and inps is not None else None
         for o, c in self._rounds(out.numel(), cap):
             e = self.epoch + 1
-            buf = slots[e & 1]
+            buf = rows[e & 1]
             if me == root:
-                for r in range(n):
-                    if r != me:
-                        buf[me][r * cap:r * cap + c].copy_(inps[r][o:o + c])  # type: ignore[index]
+                mine = block(buf, n, c, cap, buf.storage_offset() + me * buf.stride(0))
+                if spaced is not None:
+                    mine.copy_(block(spaced[0], n, c, spaced[1], spaced[2] + o))
+                else:
+                    for r in range(n):
+                        if r != me:
+                            mine[r].copy_(inps[r][o:o + c])  # type: ignore[index]
             self.sync(e)
             if me != root:
-                out[o:o + c].copy_(buf[root][me * cap:me * cap + c])
+                out[o:o + c].copy_(buf[root, me * cap:me * cap + c])
 
     def all_to_all(self, ins: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
         """Bytes: ``outs[r]`` gets rank r's ``ins[me]``.  Sizes may differ per pair; they are

@@ -2,7 +2,14 @@
 
 :func:`reducer` maps a ``ReduceOp`` and a dtype to the torch function applied in rank order
 (``AVG`` is a SUM the group divides afterwards), or raises a :class:`BackendError` that names
-the pair and the fix.  Whether torch has a kernel for a (function, dtype) pair is asked of
+the pair and the fix.  :func:`rows_reducer` turns it into one op over every rank's slot at once
+(``[ranks, n]`` to ``[n]``: ``torch.sum``, ``prod``, ``amin``, ``amax`` over dim 0), so a
+call's work does not grow with the rank count.  Each element is reduced by one rank only, so
+the result is the same on every rank; the kernel's order is fixed by the sizes, not by the
+thread count (tests/test_shm_ops.py), so it is the same run to run.  Two exceptions keep a
+rank-order loop of the elementwise function: the bitwise ops (torch has no reduction for them)
+and SUM/AVG of float16/bfloat16, which round to the dtype after every addition as they always
+have (``torch.sum`` would accumulate in float32: other numerics).  Whether torch has a kernel for a (function, dtype) pair is asked of
 torch itself, once per pair, so the table holds on every torch version.
 
 :func:`staged` / :func:`flat_bytes`: the collectives work on contiguous 1-D tensors.  A tensor
@@ -21,7 +28,7 @@ import torch.distributed as dist
 
 from cpuddp.errors import BackendError
 
-__all__ = ["reducer", "staged", "flat_bytes", "check_tensors", "AVG", "SUM"]
+__all__ = ["reducer", "rows_reducer", "summed", "staged", "flat_bytes", "check_tensors", "AVG", "SUM"]
 
 _RedOp = dist.ReduceOp.RedOpType
 AVG, SUM = _RedOp.AVG, _RedOp.SUM
@@ -66,6 +73,56 @@ def reducer(code: Any, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
                            f"{fn.__name__} kernel for {dtype}",
                            fix=f"cast to a dtype torch can {fn.__name__} (e.g. int64 or float32) before the collective")
     return fn
+
+
+_ROWS: Dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {
+    torch.add: torch.sum, torch.mul: torch.prod, torch.minimum: torch.amin, torch.maximum: torch.amax}
+_LOOPED_SUMS = (torch.float16, torch.bfloat16)
+_rows_work: Dict[Tuple[Any, torch.dtype], bool] = {}
+
+
+def rows_reducer(fn: Callable[..., torch.Tensor], dtype: torch.dtype) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    """``reduce(rows, out)``: ``out = rows[0] fn rows[1] fn ...`` for a ``[k, n]`` ``rows`` (any
+    strides) -- one op where torch has the reduction (see the module docstring), else a loop in
+    row order.  ``out`` must not overlap ``rows``."""
+    whole = _ROWS.get(fn)
+    if whole is None or (fn is torch.add and dtype in _LOOPED_SUMS) or not _rows_kernel(whole, dtype):
+        return lambda rows, out: _loop(rows, out, fn)
+    if whole in (torch.amin, torch.amax):
+        return lambda rows, out: whole(rows, 0, out=out)
+    return lambda rows, out: whole(rows, 0, dtype=dtype, out=out)
+
+
+def _loop(rows: torch.Tensor, out: torch.Tensor, fn: Callable[..., torch.Tensor]) -> None:
+    if rows.shape[0] == 1:
+        out.copy_(rows[0])
+        return
+    fn(rows[0], rows[1], out=out)
+    for r in range(2, rows.shape[0]):
+        fn(out, rows[r], out=out)
+
+
+def _rows_kernel(whole: Callable[..., torch.Tensor], dtype: torch.dtype) -> bool:
+    key = (whole, dtype)
+    if key not in _rows_work:
+        try:
+            x = torch.zeros(3, 2, dtype=dtype)
+            out = torch.empty(2, dtype=dtype)
+            if whole in (torch.amin, torch.amax):
+                whole(x, 0, out=out)
+            else:
+                whole(x, 0, dtype=dtype, out=out)
+            _rows_work[key] = True
+        except (RuntimeError, TypeError, NotImplementedError):
+            _rows_work[key] = False
+    return _rows_work[key]
+
+
+def summed(code: Any) -> Any:
+    """The op a backend underneath is asked for: SUM for AVG (the shm group divides the sum
+    itself on every path -- shared memory, the hierarchy, whole gloo: torch 2.8's gloo returns
+    the sum for an AVG reduce_scatter), else ``code``."""
+    return SUM if code == AVG else code
 
 
 def check_tensors(tensors: Sequence[Any], what: str) -> None:

@@ -71,15 +71,20 @@ class Segment:
         self.words = (ctypes.c_int64 * 8).from_buffer(self.mm, 0)
         self.lines = [(ctypes.c_int64 * 4).from_buffer(self.mm, counters + i * shm_check.COUNTER_STRIDE)
                       for i in range(local_size)]
-        ring, per = shm_check.ring_offset(local_size), shm_check.DESC_BYTES // 8
-        self.rings = [[(ctypes.c_int64 * per).from_buffer(self.mm, ring + (r * shm_check.RING + i) * shm_check.DESC_BYTES)
+        # descriptor rings, entry-major: entry i of every rank side by side, so one comparison
+        # of those bytes agrees a call (cpuddp.backends.shm.agree)
+        ring, desc = shm_check.ring_offset(local_size), shm_check.DESC_BYTES
+        self.ring_at = [ring + i * local_size * desc for i in range(shm_check.RING)]
+        self.rings = [[(ctypes.c_int64 * (desc // 8)).from_buffer(self.mm, self.ring_at[i] + r * desc)
                        for i in range(shm_check.RING)] for r in range(local_size)]
-        # the arrival counters the data path reads and writes (views of each line's first word)
-        self.counters = [ctypes.c_int64.from_buffer(self.mm, counters + i * shm_check.COUNTER_STRIDE)
-                         for i in range(local_size)]
-        self.mine = self.counters[local_rank]
-        self.others = [c for i, c in enumerate(self.counters) if i != local_rank]
+        # every rank's control words as one view each (a step slice of the lines): who is late
+        # is one min() over it, not a loop over the peers
+        words = memoryview(self.mm)[counters:counters + local_size * shm_check.COUNTER_STRIDE].cast("q")
+        step = shm_check.COUNTER_STRIDE // 8
+        self.arrived, self.posted, self.checked = (words[c::step] for c in (C_EPOCH, C_POSTED, C_CHECKED))
+        self.mine = ctypes.c_int64.from_buffer(self.mm, counters + local_rank * shm_check.COUNTER_STRIDE)
         self.raw = torch.frombuffer(self.mm, dtype=torch.uint8, count=total - slots, offset=slots)
+        self._rows: Dict[torch.dtype, List[torch.Tensor]] = {}
         self._views: Dict[torch.dtype, List[List[torch.Tensor]]] = {}
         self.forked = False
         _live.add(self)
@@ -102,6 +107,21 @@ class Segment:
                      for p in (0, 1)]
             self._views[dtype] = views
         return views
+
+    def rows(self, dtype: torch.dtype) -> List[torch.Tensor]:
+        """``[parity]``: the slots of buffer ``parity`` as one ``[local ranks, slot]`` view of ``dtype``
+        (rank r's slot is row r: one op reads or writes every rank's slot)."""
+        views = self._rows.get(dtype)
+        if views is None:
+            flat = self.raw.view(dtype)
+            n = self.slot // flat.element_size()
+            views = [flat[p * self.size * n:(p + 1) * self.size * n].view(self.size, n) for p in (0, 1)]
+            self._rows[dtype] = views
+        return views
+
+    def late(self, words: memoryview, value: int) -> List[int]:
+        """Local ranks whose control word in ``words`` (``arrived``, ``posted``) is below ``value``."""
+        return [i for i, v in enumerate(words) if v < value]
 
     def close(self) -> None:
         """Drop this process's descriptor (the liveness lock goes with it once the mapping is gone)."""

@@ -10,6 +10,11 @@ can only take CPU time from backward: measured on 2 ranks x 1 core (docs/perform
 DDP ran slower with it than without.
 
 Every collective returns a :class:`ShmWork`; its ``wait()`` raises the collective's error.
+
+The hand-off between the caller and the thread waits the way the ranks wait for each other
+(:mod:`cpuddp.backends.shm.wait`): the thread polls its queue, and ``wait()`` its collective,
+for up to 2 ms (yielding the CPU) before blocking, so a collective queued right behind the last
+one, or one that ends soon after ``wait()`` was called, costs no sleep and wake-up of a thread.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 from cpuddp.errors import BackendError
+
+from .wait import spin_until
 
 __all__ = ["Stream", "ShmWork", "GatheredWork", "TimedWork", "async_setting", "ASYNC_VAR", "ASYNC_FROM"]
 
@@ -69,6 +76,7 @@ class ShmWork(dist.Work):
             self._fut.add_done_callback(lambda _f: finished.set())
             if not finished.wait(timeout.total_seconds()):
                 raise dist.DistBackendError(f"shm: the collective did not finish within {timeout}")
+        spin_until(self._fut.done)
         self._fut.wait()  # raises the collective's error
         return True
 
@@ -173,8 +181,10 @@ class Stream:
 
     def _loop(self, thread_setup: Callable[[], None]) -> None:
         thread_setup()
+        q = self._q
         while True:
-            item = self._q.get()
+            spin_until(lambda: not q.empty())
+            item = q.get()
             if item is None:
                 return
             fn, result, fut = item

@@ -1,16 +1,22 @@
-"""Waiting for the node's other ranks, for the shm group (:mod:`cpuddp.backends.shm.local`).
+"""Waiting for the node's other ranks, for the shm group (:mod:`cpuddp.backends.shm.local`), and
+the one wait policy of the shm backend (:class:`Backoff`, :func:`spin_until`; the group's
+communication thread and its Works use it too, :mod:`cpuddp.backends.shm.stream`).
 
 :meth:`Waiter.until` returns once no local peer is late, and ends at once with an error naming
 the peer that died, left the group or gave up (the segment's abort word), and at the group
 timeout otherwise.  How it waits, and why:
 
-* ``os.sched_yield()`` for the first 2 ms when every local rank has a CPU of its own (a
-  rank's arrival is seen within a microsecond or two; the yield hands the CPU to any other
-  thread that wants it), 0.1 ms on the group's communication thread (it shares its CPU with
-  the compute threads), and not at all when the node's ranks outnumber their CPUs (a spinning
-  rank would hold the CPU the peer it waits for needs: 4 ranks on 2 CPUs took 0.5 s for
-  4 MiB with a 50 ms spin);
-* then 0.2 ms sleeps;
+* ``os.sched_yield()`` polling for the first :data:`YIELD_FOR` (2 ms) when every local rank has
+  a CPU of its own -- on every thread, the communication thread included (it runs only where
+  the plan left a CPU free for it).  A peer's arrival is seen within a microsecond or two, and
+  the yield hands the CPU to any other thread that wants it.  Not at all when the node's ranks
+  outnumber their CPUs: a spinning rank would hold the CPU the peer it waits for needs (4 ranks
+  on 2 CPUs took 0.5 s for 4 MiB with a 50 ms spin).
+* then sleeps that grow with the wait: each at most 1/8 of the time waited so far, from
+  :data:`SLEEP_FIRST` up to :data:`SLEEP_MAX` (2 ms).  A sleep costs at most ~1/8 more than
+  the wait it ends (a fixed 0.2 ms sleep -- ~0.26 ms with the kernel's timer slack -- could cost
+  a rank that arrived first several times the copy it waited for), and a wait of seconds for a
+  late peer wakes ~450 times a second, not ~2,500 (``benchmarks/wait_cost.py``).
 * every 0.1 s, a check that each late peer lives (the kernel-held lock of
   :meth:`cpuddp.backends.shm.segment.Segment.alive`, which works across PID namespaces, and
   its pid where it is visible) and has not left the group.
@@ -19,9 +25,8 @@ timeout otherwise.  How it waits, and why:
 from __future__ import annotations
 
 import os
-import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Sequence
 
 import torch.distributed as dist
 
@@ -29,12 +34,46 @@ from cpuddp.topology.here import pid_alive
 
 from .segment import C_STATE, STATE_LEFT, W_ABORT, Segment
 
-__all__ = ["Waiter", "YIELD_FOR", "SLEEP", "CHECK_EVERY"]
+__all__ = ["Waiter", "Backoff", "spin_until", "YIELD_FOR", "SLEEP_FIRST", "SLEEP_MAX", "CHECK_EVERY"]
 
 YIELD_FOR = 0.002
-COMM_YIELD_FOR = 1e-4
-SLEEP = 2e-4
+SLEEP_FIRST = 2e-5
+SLEEP_MAX = 0.002
 CHECK_EVERY = 0.1
+
+
+class Backoff:
+    """The wait policy: :meth:`pause` once per look at a condition that did not hold yet."""
+
+    __slots__ = ("start", "spin_until", "now")
+
+    def __init__(self, spin: bool) -> None:
+        self.start = self.now = time.monotonic()
+        self.spin_until = self.start + (YIELD_FOR if spin else 0.0)
+
+    def pause(self) -> float:
+        """Yield (the first 2 ms, when spinning is right) or sleep (growing); the time now."""
+        now = self.now = time.monotonic()
+        if now < self.spin_until:
+            os.sched_yield()
+        else:
+            time.sleep(min(SLEEP_MAX, max(SLEEP_FIRST, (now - self.start) / 8)))
+        return now
+
+
+def spin_until(ready: Callable[[], bool], spin: bool = True) -> bool:
+    """Yield-poll ``ready()`` for the spin phase of :class:`Backoff` only; whether it became true
+    (the caller then blocks on its own primitive: a queue, a future)."""
+    if ready():
+        return True
+    if not spin:
+        return False
+    end = time.monotonic() + YIELD_FOR
+    while time.monotonic() < end:
+        os.sched_yield()
+        if ready():
+            return True
+    return False
 
 
 class Waiter:
@@ -44,25 +83,20 @@ class Waiter:
                  spin: bool) -> None:
         self.seg, self.local, self.rank, self.timeout = seg, tuple(local), rank, timeout
         self.peer_pids = {self.local.index(r): pid for r, pid in peer_pids.items()}
-        self.spin_for = YIELD_FOR if spin else 0.0
-        self.comm_thread: Optional[int] = None
+        self.spin = spin
 
-    def until(self, late: Callable[[], List[int]], what: str, poll: Callable[[], None]) -> None:
-        """Return once ``late()`` (the local ranks not there yet) is empty.  ``poll()`` runs while
-        waiting (the agreement's early comparison); errors end the wait."""
+    def until(self, pending: Callable[[], bool], late: Callable[[], List[int]], what: str,
+              poll: Callable[[], None]) -> None:
+        """Return once ``pending()`` is false; ``late()`` names the local ranks not there yet.
+        ``poll()`` runs while waiting (the agreement's early comparison); errors end the wait."""
         words = self.seg.words
-        start = time.monotonic()
-        spin = min(self.spin_for, COMM_YIELD_FOR) if threading.get_ident() == self.comm_thread else self.spin_for
-        spin_until, check_at, deadline = start + spin, start + CHECK_EVERY, start + self.timeout
-        while late():
+        backoff = Backoff(self.spin)
+        check_at, deadline = backoff.start + CHECK_EVERY, backoff.start + self.timeout
+        while pending():
             if words[W_ABORT]:
                 poll()  # a mismatch the peer found is this rank's error too
                 self.check_abort()
-            now = time.monotonic()
-            if now < spin_until:
-                os.sched_yield()
-                continue
-            time.sleep(SLEEP)
+            now = backoff.pause()
             if now >= check_at:
                 check_at = now + CHECK_EVERY
                 poll()
