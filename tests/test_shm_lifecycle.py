@@ -86,15 +86,7 @@ def _pid_namespace_prefix() -> tuple:
     return (*unshare_pid_or_skip(), "sh", "-c", f'"$@"; code=$?; sleep {PID1_LINGER}; exit $code', "sh")
 
 
-#: A real bug of backends/shm/segment.py, found when this test could fail (issue 37 #8); the fix is
-#: segment.py's owner's.  Strict: the test fails once it passes, so the mark goes with the fix.
-LOCK_INHERITED = pytest.mark.xfail(strict=True, reason=(
-    "segment.py: the forked child keeps rank 1's liveness lock -- Python's mmap holds its own dup of the "
-    "segment's descriptor (same open file description, which holds the OFD lock); the at-fork handler "
-    "closes only Segment.fd, so rank 0 sees rank 1 die only when the child ends"))
-
-
-@pytest.mark.parametrize("namespace", [False, pytest.param(True, marks=LOCK_INHERITED)],
+@pytest.mark.parametrize("namespace", [False, True],
                          ids=["same-pid-namespace", "own-pid-namespace"])
 def test_a_rank_whose_forked_child_outlives_it_is_seen_dead_at_once(tmp_path, namespace):
     """Rank 1 forks a child that lives on, then dies; rank 0 must see the death at once.  In

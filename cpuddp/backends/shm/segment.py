@@ -10,12 +10,16 @@
 * :class:`Segment`: the mapping -- header words, per-rank control lines (arrival counter,
   posted and checked call numbers, state), descriptor rings and typed slot views.
 * Liveness: every rank holds an open-file-description lock (``F_OFD_SETLK``) on its own byte
-  past the segment's end; the kernel drops it when the process dies, so a peer's death is seen
-  through ``F_OFD_GETLK`` even from another PID namespace (:meth:`Segment.alive`).
-* Fork: the mapping is ``MADV_DONTFORK`` and a forked child closes its copy of the descriptor
-  at once (:func:`os.register_at_fork`), so a child neither holds the parent's liveness lock
-  (the parent's death is still seen in 0.1 s while a DataLoader worker or a forked helper
-  lives) nor can touch the segment.
+  past the segment's end, taken through a file handle of its own (the memfd opened again
+  through ``/proc/self/fd``: a new open file description), never the mapping's; the kernel
+  drops it when the process dies, so a peer's death is seen through ``F_OFD_GETLK`` even from
+  another PID namespace (:meth:`Segment.alive`).
+* Fork: the mapping is ``MADV_DONTFORK`` and a forked child closes its copies of both
+  descriptors at once (:func:`os.register_at_fork`).  Python's ``mmap`` keeps a duplicate of
+  the descriptor it mapped, which the child inherits and cannot close; it shares the mapped
+  descriptor's open file description, which is why the lock is on the other one: a child never
+  holds the parent's liveness lock (the parent's death is still seen at once while a DataLoader
+  worker or a forked helper lives) nor can touch the segment.
 """
 
 from __future__ import annotations
@@ -87,11 +91,14 @@ class Segment:
         self._rows: Dict[torch.dtype, List[torch.Tensor]] = {}
         self._views: Dict[torch.dtype, List[List[torch.Tensor]]] = {}
         self.forked = False
+        self.lock_fd = -1  # the liveness lock's own open file description (hold_liveness)
         _live.add(self)
 
     def hold_liveness(self) -> None:
-        """Lock this rank's byte past the end: held until this process (and its OFD) is gone."""
-        _lock(self.fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, self.total + self.local_rank)
+        """Lock this rank's byte past the end through a descriptor of its own: held until this
+        process is gone (a forked child closes its copy; the mapping's duplicate is not it)."""
+        self.lock_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+        _lock(self.lock_fd, fcntl.F_OFD_SETLK, fcntl.F_WRLCK, self.total + self.local_rank)
 
     def alive(self, local_rank: int) -> bool:
         """Does local rank ``local_rank``'s process still hold its liveness lock?"""
@@ -124,13 +131,15 @@ class Segment:
         return [i for i, v in enumerate(words) if v < value]
 
     def close(self) -> None:
-        """Drop this process's descriptor (the liveness lock goes with it once the mapping is gone)."""
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        """Drop this process's descriptors (the liveness lock goes with its own)."""
+        for name in ("lock_fd", "fd"):
+            fd = getattr(self, name)
+            setattr(self, name, -1)
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     def _after_fork_in_child(self) -> None:
         self.forked = True
