@@ -18,13 +18,17 @@ pre/post hooks -- so DDP keeps its buckets, their order and the overlap with bac
   every updated parameter again, and the param groups hold the model's parameters.
   Element-wise optimizers only (Adam, AdamW, SGD, ...): a piece is stepped on its own.
 * **The first steps run as DDP.**  DDP rebuilds its buckets once, after the first iteration.
-  Until the same bucket layout has been seen in two steps in a row, the hook all-reduces and the
-  optimizer steps every parameter (DDP's arithmetic); at the next step the parameters move into
-  their buffers and the optimizer state is cut to this rank's pieces (``prepared_info(...)``
-  notes when).
+  Until every rank has seen the same bucket layout in two steps in a row (they agree before each
+  step: :mod:`cpuddp.train.zero_sync`), the hook all-reduces (sum, then divide: the sharded
+  steps' arithmetic) and the optimizer steps every parameter; at the next step the parameters
+  move into their buffers and the optimizer state is cut to this rank's pieces
+  (``prepared_info(...).sharded_since_step``).  A whole parameter and its pieces step to the
+  same bits only with torch's foreach step, so prepare leaves the optimizer unfused
+  (:data:`UNFUSED_WHY`).
 * **State dicts.**  Between steps the optimizer's param groups hold the model's parameters, and
-  its ``state_dict()``/``load_state_dict()`` -- collectives once sharded -- give and take the
-  whole, unsharded state as DDP's optimizer would, so ``torch.distributed.checkpoint.state_dict``
+  its ``state_dict()``/``load_state_dict()`` -- collectives once sharded (``state_dict()``
+  first waits for every rank in the store: :class:`~cpuddp.train.zero_sync.StateDictGate`) --
+  give and take the whole, unsharded state as DDP's optimizer would, so ``torch.distributed.checkpoint.state_dict``
   (``get_state_dict``/``set_state_dict``) and plain ``torch.save`` work, across world sizes.
 
 Costs: the same bytes on the wire as DDP's all-reduce (a reduce-scatter plus an all-gather), the
