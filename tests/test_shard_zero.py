@@ -242,3 +242,29 @@ def test_an_optimizer_fused_by_the_user_is_kept_with_a_warning():
     model = nn.Linear(4, 2)
     with pytest.warns(RuntimeWarning, match="leave fused unset"):
         check_zero_optimizer(model, torch.optim.AdamW(model.parameters(), fused=True))
+
+
+def test_object_collectives_work_without_numpy(monkeypatch):
+    """README's install has no numpy, and torch's object collectives (which DCP plans through)
+    read what they receive with ``tensor.numpy()``; ``without_numpy`` gives them another way."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from cpuddp.train.objects import numpy_missing, without_numpy
+
+    def no_numpy(self):
+        raise RuntimeError("Numpy is not available")
+
+    monkeypatch.setattr(torch.Tensor, "numpy", no_numpy)
+    monkeypatch.setattr(c10d, "_tensor_to_object", c10d._tensor_to_object)  # restored after the test
+    assert numpy_missing()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        box: list = [None]
+        with pytest.raises(RuntimeError, match="Numpy is not available"):
+            dist.all_gather_object(box, {"seat": (0, 1, 2)})
+        assert without_numpy() and without_numpy()  # installed once
+        dist.all_gather_object(box, {"seat": (0, 1, 2), "text": "é" * 300})
+        assert box == [{"seat": (0, 1, 2), "text": "é" * 300}]
+    finally:
+        dist.destroy_process_group()
