@@ -4,11 +4,13 @@
 #   bash .ci/minimal.sh install   # fresh venv "$CI_WORK/minimal": pip install torch==2.13.0 && pip install .
 #   bash .ci/minimal.sh test      # README's main command, then the minimal-install subset (tests/minimal/)
 # The subset: README's `cpuddp run` line, 2-rank init + prepare + DDP steps under torchrun,
+# prepare(shard="full") and shard="optimizer" with a checkpoint saved and resumed under torchrun,
 # `cpuddp bench allreduce --nproc 2`
 # (no plot), `cpuddp doctor`, `cpuddp.testing.run_distributed`.  A command that fails, or any
 # output naming ImportError/ModuleNotFoundError (even one a command caught), fails the job.
 # Measured on the project's 2-vCPU machine (AMD EPYC): install 109 s (in the background, beside
-# the other installs), test 68 s (README's command 46 s of it); each step prints its duration.
+# the other installs), test 68 s (README's command 46 s of it) before the two shard runs, which add
+# 16 s and 11 s (2026-11-26, the machine shared with other jobs); each step prints its duration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${CI_WORK:?CI_WORK must be set (by .ci/run)}"
@@ -74,6 +76,11 @@ if not r["accuracy"] >= 0.90:
 print(f"cpuddp run: accuracy {r['accuracy']:.3f}, {r['wall_seconds']:.0f} s in the script")
 PY
     run train_two_ranks python -m torch.distributed.run --nproc-per-node 2 tests/minimal/train_two_ranks.py
+    # prepare(shard=...) and a checkpoint saved and resumed, with no numpy (torch's object collectives need it)
+    for mode in full optimizer; do
+      run "shard_$mode" python -m torch.distributed.run --nproc-per-node 2 tests/minimal/shard_two_ranks.py \
+        "$mode" "$CI_WORK/minimal-ckpt-$mode"
+    done
     run bench cpuddp bench allreduce --nproc 2 -b 1K -e 1M --timeout 120
     run doctor cpuddp doctor
     run doctor_json sh -c 'cpuddp doctor --json | python -c "import json, sys; json.load(sys.stdin)"'

@@ -20,6 +20,7 @@ from cpuddp.errors import PrepareError
 
 from .comm import register_hook
 from .layout import gather_places
+from .objects import without_numpy
 from .shard import apply_full
 from .zero import ZeroStep
 
@@ -91,6 +92,8 @@ def distribute(core: nn.Module, optimizer: Optional[torch.optim.Optimizer], shar
                bf16_params: bool, options: Mapping[str, Any], notes: list[str]) -> tuple[nn.Module, Optional[str]]:
     """Shard (FSDP2) or wrap in DDP (with its gradient hook) as decided: ``(outer module, hook name)``."""
     outer, hook_name = core, None
+    if sharding is not None and without_numpy():  # DCP's object collectives, for a sharded model's checkpoint
+        notes.append("numpy not installed: torch's object collectives (DCP's) copy their bytes without it")
     if sharding == "full":
         outer = _shard_full(core, optimizer, options, bf16_params, notes)
     elif do_ddp:

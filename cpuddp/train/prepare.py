@@ -81,7 +81,7 @@ from .optim import fuse_optimizer, ipex_optimize
 from .precision import cpu_bf16_support, decide_precision
 from .precision_trial import add_precision_hooks
 from .shard import check_shard_request, check_shardable
-from .zero import check_zero_optimizer
+from .zero import UNFUSED_WHY, check_zero_optimizer, zero_state
 
 __all__ = [
     "prepare",
@@ -114,8 +114,16 @@ class PrepareInfo:
     compiled: bool
     ipex_version: Optional[str] = None
     shard: Optional[str] = None  # "optimizer" or "full" when the model is sharded
+    #: The optimizer step (1: this process's first) from which the optimizer state is sharded; None
+    #: while it is not (shard=None, or shard="optimizer" before DDP's buckets settle: see ``notes``).
+    sharded_since_step: Optional[int] = None
     notes: tuple[str, ...] = ()
     options: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def optimizer_sharded(self) -> bool:
+        """Is the optimizer state sharded now (each rank holding its share only)?"""
+        return self.sharded_since_step is not None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data for logs and JSON (without ``options``, which may hold process groups)."""
@@ -173,7 +181,13 @@ def _record(model: nn.Module) -> Optional[_Record]:
 def prepared_info(model: nn.Module) -> Optional[PrepareInfo]:
     """The :class:`PrepareInfo` of a model returned by :func:`prepare` (or its inner module), else None."""
     rec = _record(model)
-    return rec.info if rec is not None else None
+    if rec is None:
+        return None
+    zero = zero_state(unwrap(model))
+    if zero is None:
+        return rec.info
+    waiting = (f"shard='optimizer': not sharded yet after {zero.steps} step(s): {zero.waiting}",) if zero.waiting else ()
+    return dataclasses.replace(rec.info, sharded_since_step=zero.sharded_at, notes=rec.info.notes + waiting)
 
 
 # --------------------------------------------------------------------------- the steps
@@ -306,9 +320,14 @@ def _optimize_with_ipex(probe: Any, model: nn.Module, optimizer: Optional[torch.
     return model
 
 
-def _fuse_step(optimizer: Optional[torch.optim.Optimizer], fused_optimizer: bool, notes: list[str]) -> bool:
-    """The stock path: the fused-Adam switch, when there is an optimizer and it is wanted."""
+def _fuse_step(optimizer: Optional[torch.optim.Optimizer], fused_optimizer: bool, sharding: Optional[str],
+               notes: list[str]) -> bool:
+    """The stock path: the fused-Adam switch, when there is an optimizer and it is wanted (not with
+    shard="optimizer": :data:`cpuddp.train.zero.UNFUSED_WHY`)."""
     if optimizer is None or not fused_optimizer:
+        return False
+    if sharding == "optimizer":
+        notes.append(f"optimizer: left unfused with shard='optimizer': {UNFUSED_WHY}")
         return False
     fused, why = fuse_optimizer(optimizer)
     notes.append(f"optimizer: {why}")
@@ -317,10 +336,11 @@ def _fuse_step(optimizer: Optional[torch.optim.Optimizer], fused_optimizer: bool
 
 
 def _optimize(probe: Any, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], dtype: Optional[torch.dtype],
-              options: Mapping[str, Any], all_reduces: bool, notes: list[str]) -> tuple[nn.Module, bool]:
+              options: Mapping[str, Any], all_reduces: bool, sharding: Optional[str],
+              notes: list[str]) -> tuple[nn.Module, bool]:
     """The IPEX path when ``probe`` says so, else the stock one: ``(model, fused optimizer?)``."""
     if probe is None:
-        return model, _fuse_step(optimizer, options["fused_optimizer"], notes)
+        return model, _fuse_step(optimizer, options["fused_optimizer"], sharding, notes)
     ipex_dtype = dtype if options["mixed_precision"] == "bf16" else None  # "auto" measures fp32 too: fp32 weights
     model = _optimize_with_ipex(probe, model, optimizer, ipex_dtype, all_reduces, options["process_group"], notes)
     return model, False
@@ -386,6 +406,7 @@ def _info(options: Mapping[str, Any], probe: Any, world: int, sharding: Optional
         compiled=compiled,
         ipex_version=probe.ipex_version if probe is not None else None,
         shard=sharding,
+        sharded_since_step=1 if sharding == "full" else None,  # shard="optimizer": the live value, prepared_info
         notes=tuple(notes),
         options=options,
     )
@@ -444,7 +465,7 @@ def prepare(
     probe = _choose_path(ipex, notes, sharding)
     dtype, precision_reason = _choose_precision(mixed_precision, strict)  # may warn: called from here
     do_ddp = decide_ddp(ddp, world_size=world, wants_grad=any(p.requires_grad for p in model.parameters()))
-    core, fused = _optimize(probe, model, optimizer, dtype, options, do_ddp and world > 1, notes)
+    core, fused = _optimize(probe, model, optimizer, dtype, options, do_ddp and world > 1, sharding, notes)
     bf16_params = sharding == "full" and dtype is not None and mixed_precision == "bf16"
     outer, hook_name = distribute(core, optimizer, sharding, do_ddp, bf16_params, options, notes)
     outer, compiled = compile_model(outer, compile)

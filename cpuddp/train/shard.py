@@ -258,13 +258,14 @@ def is_fsdp(model: nn.Module) -> bool:
 
 
 def gather_seats(node_of: Callable[[], tuple[int, int, int]], group: Any) -> list[tuple[int, int, int]]:
-    """Every rank's ``(node, local rank, ranks on its node)``, in rank order (one collective)."""
+    """Every rank's ``(node, local rank, ranks on its node)``, in rank order (one all-gather of
+    int64 tensors: torch's object collectives need numpy, which cpuddp does not require)."""
     import torch.distributed as dist
 
-    mine = tuple(node_of())
-    places: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(places, mine, group=group)
-    return [tuple(p) for p in places]
+    mine = torch.tensor(node_of(), dtype=torch.int64)
+    places = [torch.zeros(3, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(places, mine, group=group)
+    return [(int(n), int(lr), int(size)) for n, lr, size in (p.tolist() for p in places)]
 
 
 def _mesh(shape: tuple[int, int], places: Sequence[tuple[int, int, int]], group: Any) -> Any:

@@ -18,13 +18,17 @@ pre/post hooks -- so DDP keeps its buckets, their order and the overlap with bac
   every updated parameter again, and the param groups hold the model's parameters.
   Element-wise optimizers only (Adam, AdamW, SGD, ...): a piece is stepped on its own.
 * **The first steps run as DDP.**  DDP rebuilds its buckets once, after the first iteration.
-  Until the same bucket layout has been seen in two steps in a row, the hook all-reduces and the
-  optimizer steps every parameter (DDP's arithmetic); at the next step the parameters move into
-  their buffers and the optimizer state is cut to this rank's pieces (``prepared_info(...)``
-  notes when).
+  Until every rank has seen the same bucket layout in two steps in a row (they agree before each
+  step: :mod:`cpuddp.train.zero_sync`), the hook all-reduces (sum, then divide: the sharded
+  steps' arithmetic) and the optimizer steps every parameter; at the next step the parameters
+  move into their buffers and the optimizer state is cut to this rank's pieces
+  (``prepared_info(...).sharded_since_step``).  A whole parameter and its pieces step to the
+  same bits only with torch's foreach step, so prepare leaves the optimizer unfused
+  (:data:`UNFUSED_WHY`).
 * **State dicts.**  Between steps the optimizer's param groups hold the model's parameters, and
-  its ``state_dict()``/``load_state_dict()`` -- collectives once sharded -- give and take the
-  whole, unsharded state as DDP's optimizer would, so ``torch.distributed.checkpoint.state_dict``
+  its ``state_dict()``/``load_state_dict()`` -- collectives once sharded (``state_dict()``
+  first waits for every rank in the store: :class:`~cpuddp.train.zero_sync.StateDictGate`) --
+  give and take the whole, unsharded state as DDP's optimizer would, so ``torch.distributed.checkpoint.state_dict``
   (``get_state_dict``/``set_state_dict``) and plain ``torch.save`` work, across world sizes.
 
 Costs: the same bytes on the wire as DDP's all-reduce (a reduce-scatter plus an all-gather), the
@@ -34,6 +38,7 @@ optimizer's work and state divided by the world size, no copy of parameters or g
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -44,7 +49,9 @@ from torch import nn
 
 from cpuddp.errors import PrepareError
 
-__all__ = ["ELEMENTWISE", "ZeroStep", "check_zero_optimizer", "zero_hook", "zero_state"]
+from .zero_sync import WARN_AFTER, StateDictGate, agree_start, local_verdict
+
+__all__ = ["ELEMENTWISE", "UNFUSED_WHY", "ZeroStep", "check_zero_optimizer", "zero_hook", "zero_state"]
 
 _log = logging.getLogger("cpuddp.prepare")
 
@@ -65,6 +72,11 @@ ELEMENTWISE = tuple(PER_ELEMENT)
 
 _ATTR = "_cpuddp_zero"
 
+#: Why shard="optimizer" keeps torch's foreach step rather than the fused CPU Adam(W).
+UNFUSED_WHY = ("the fused CPU kernel rounds an element differently near the end of a tensor (its scalar tail), so "
+               "stepping a whole parameter (the steps before the sharding starts, e.g. the first after a resume) "
+               "and stepping this rank's piece of it would differ in the last bit; torch's foreach step does not")
+
 
 def check_zero_optimizer(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
     """Raise :class:`PrepareError` unless ``optimizer`` can be sharded element-wise over ``model``."""
@@ -77,6 +89,10 @@ def check_zero_optimizer(model: nn.Module, optimizer: Optional[torch.optim.Optim
             f'shard="optimizer" steps each rank\'s share of a parameter on its own, which is exact only '
             f"for element-wise optimizers ({', '.join(ELEMENTWISE)} from torch.optim); got {name}.",
             fix='use shard="full" (FSDP2 works with any optimizer), or one of those optimizers')
+    if any(g.get("fused") for g in optimizer.param_groups):
+        warnings.warn(f"cpuddp shard='optimizer' with fused=True: {UNFUSED_WHY}; a resumed run will not continue "
+                      "bit-identically. Fix: leave fused unset (cpuddp then keeps the foreach step)", RuntimeWarning,
+                      stacklevel=4)
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if missing:
@@ -183,10 +199,15 @@ class ZeroStep:
         self.rank = dist.get_rank(group)
         self.buckets: dict[int, _Bucket] = {}
         self.sharded_at: Optional[int] = None  # the step at which sharding began
+        self.waiting: Optional[str] = None  # why the last step ran unsharded (every rank agreed on it)
         self._steps = 0
         self._seen: dict[int, tuple] = {}  # bucket index -> its parameters, this backward
         self._buffers: dict[int, torch.Tensor] = {}
         self._last: Optional[tuple] = None  # the layout of the previous step
+        self._position = {id(p): i for i, p in enumerate(ddp.module.parameters())}
+        self.gate = StateDictGate(group)
+        self._ddp = ddp
+        ddp.register_forward_pre_hook(lambda *_: self._before_forward())
         self._model_params: list[list[torch.Tensor]] = []
         self._step_params: list[list[torch.Tensor]] = []
         ddp.register_comm_hook(self, zero_hook)
@@ -201,15 +222,21 @@ class ZeroStep:
     def sharded(self) -> bool:
         return self.sharded_at is not None
 
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken in this process."""
+        return self._steps
+
     # ------------------------------------------------------------------ backward: the hook
 
     def reduce(self, bucket: Any) -> torch.futures.Future:
         buf, index, params = bucket.buffer(), bucket.index(), tuple(bucket.parameters())
         self._seen[index] = params
-        if not self.sharded:  # DDP's arithmetic: divide, then sum
+        if not self.sharded:  # sum, then divide: the sharded steps' arithmetic, so both give the same gradients
             self._buffers[index] = buf
-            buf.div_(self.world)
-            return _future([dist.all_reduce(buf, group=self.group, async_op=True)], lambda: buf)
+            return _future([dist.all_reduce(buf, group=self.group, async_op=True)], lambda: buf.div_(self.world))
+        if index == 0:  # DDP reduces its buckets in index order: a backward's first collective
+            self.gate.begin_round()
         b = self.buckets.get(index)
         if b is None or tuple(map(id, b.params)) != tuple(map(id, params)):
             raise RuntimeError(
@@ -232,13 +259,34 @@ class ZeroStep:
 
     # ------------------------------------------------------------------ the step
 
+    def _before_forward(self) -> None:
+        """A forward that broadcasts DDP's buffers is a round of collectives (see zero_sync)."""
+        will_sync = getattr(self._ddp, "will_sync_module_buffers", None)
+        if self.sharded and torch.is_grad_enabled() and will_sync is not None and will_sync():
+            self.gate.begin_round()
+
+    def _agree_to_shard(self) -> None:
+        """Shard when every rank saw the same settled bucket layout (one all-reduce), else say why not."""
+        seen = {i: tuple(self._position.get(id(p), -1) for p in ps) for i, ps in self._seen.items()}
+        code, crc, layout = local_verdict(seen, self._last)
+        self._last = layout
+        verdict, why = agree_start(code, crc, self.group)
+        if verdict == "error":
+            raise PrepareError(f"shard='optimizer' cannot shard: {why}", fix="prepare the same model on every rank")
+        if verdict == "shard":
+            self.waiting = None
+            self._shard()
+            return
+        self.waiting = why
+        if self._steps == WARN_AFTER:
+            warnings.warn(f"cpuddp shard='optimizer': the optimizer is still not sharded after {self._steps} steps "
+                          f"(every rank steps the whole optimizer state, as DDP does): {why}", RuntimeWarning,
+                          stacklevel=4)
+
     def _before_step(self) -> None:
         self._steps += 1
-        if not self.sharded and self._seen:
-            layout = tuple(sorted((i, tuple(map(id, ps))) for i, ps in self._seen.items()))
-            if layout == self._last:
-                self._shard()
-            self._last = layout
+        if not self.sharded:
+            self._agree_to_shard()
         self._seen = {}
         self._buffers = {}  # DDP's buckets of this backward: DDP drops the old ones when it rebuilds
         if self.sharded:
@@ -360,6 +408,7 @@ class ZeroStep:
         opt = self.optimizer
         if not self.sharded:
             return type(opt).state_dict(opt)
+        self.gate.enter()
         held = opt.state
         pieces = {id(pc.tensor) for b in self.buckets.values() for pc in b.pieces}
         whole: defaultdict = defaultdict(dict, ((p, s) for p, s in held.items() if id(p) not in pieces))
