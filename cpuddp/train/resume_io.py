@@ -119,6 +119,9 @@ def save_sharded(target: str, tensors: Mapping[str, Any], trainer: dict[str, Any
     last) are the door's."""
     import torch.distributed.checkpoint as dcp
 
+    from .objects import without_numpy
+
+    without_numpy()  # DCP plans through torch's object collectives
     held: list[TempDir] = []
     directory = os.path.dirname(target)
     fix = f"make {directory!r} writable on every rank's host (free space, permissions); every rank stopped"
@@ -156,6 +159,9 @@ def load_sharded(where: str, core: nn.Module, optimizer: Any, group: Any) -> dic
     the layout and world size that saved it (DCP reshards)."""
     import torch.distributed.checkpoint as dcp
 
+    from .objects import without_numpy
+
+    without_numpy()  # DCP plans through torch's object collectives
     model_sd, optim_sd = gather_state(core, optimizer)
     wanted: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
