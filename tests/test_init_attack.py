@@ -42,7 +42,7 @@ def _attack(run: Path, uid: int, mode: str) -> tuple[list, dict, str]:
     from cpuddp.testing import clean_environ
 
     port = free_port()
-    for name in ("init_intruder.py", "init_victim.py"):
+    for name in ("init_intruder.py", "shm_intruder.py", "init_victim.py"):
         shutil.copy(SCRIPTS / name, run / name)
         os.chmod(run / name, 0o644)
     intruder = subprocess.Popen([_system_python(), str(run / "init_intruder.py"), mode, str(port), "60", str(run)],
