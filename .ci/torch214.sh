@@ -3,14 +3,11 @@
 # phase 2) and 2.8 + IPEX (.ci/ipex.sh): what differs between torch releases, in a venv of its own.
 #   bash .ci/torch214.sh install   # fresh venv "$CI_WORK/torch214": torch==2.14.1, then -e ".[test,bench]"
 #   bash .ci/torch214.sh test      # the version-sensitive tests (below); needs .ci/launchers.sh exports
-# What runs: the shm engine and its torch hooks (tests/test_shm*.py: Backend/Work APIs, the
-# collectives torch dispatches, the fault paths, lifecycle under torchrun and MPICH), sharding
-# (tests/test_shard*.py: FSDP2, ZeRO, DTensor checkpoints), checkpoints (tests/test_resume.py,
-# test_loop_checkpoint.py, test_checkpoint_safety.py: torch.save/load, weights_only,
-# torch.distributed.checkpoint) and the torch range (tests/test_compat.py: TESTED_TORCH must hold
-# 2.14).  Not the whole suite: the rest does not touch what changes between torch releases, and
-# runs on 2.13 and 2.8.  The frameworks' adoption stays on 2.13 (.ci/frameworks.sh): their pins
-# (transformers, accelerate, lightning) are tested there; here tests/test_shard_frameworks.py skips.
+# What runs: the tests that differ between torch releases, listed once in .ci/version_tests.txt
+# (the engine and its torch hooks, forming the group, sharding, checkpoints, prepare, the torch
+# range), as on torch 2.8 + IPEX.  Not the whole suite: the rest does not touch what changes
+# between torch releases, and runs on 2.13.  The frameworks' adoption stays on 2.13
+# (.ci/frameworks.sh): their pins (transformers, accelerate, lightning) are tested there.
 # PyPI's torch 2.14.1 is the CUDA build (nvidia-* wheels, cuda-toolkit): the venv is 5.6 GB.
 # Measured on the project's 2-vCPU machine (AMD EPYC, AVX2 only), 2026-11-26, other work running
 # beside it: install 117 s for torch from this machine's wheel store + 106 s for the extras
@@ -20,8 +17,6 @@ cd "$(dirname "$0")/.."
 : "${CI_WORK:?CI_WORK must be set (by .ci/run)}"
 VENV="$CI_WORK/torch214"
 TORCH=2.14.1
-TESTS=(tests/test_shm*.py tests/test_shard*.py tests/test_resume.py tests/test_loop_checkpoint.py
-       tests/test_checkpoint_safety.py tests/test_compat.py)
 
 case "${1:-}" in
   install)
@@ -44,6 +39,7 @@ EOF
   test)
     start=$SECONDS
     : "${CPUDDP_MPICH_MPIEXEC:?source .ci/launchers.sh exports first}"
+    mapfile -t TESTS < <(grep -v '^#' .ci/version_tests.txt | grep .)  # what differs between torch releases
     CPUDDP_REQUIRE_LAUNCHERS=1 "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}"
     echo "torch $TORCH test took $((SECONDS - start)) s"
     ;;

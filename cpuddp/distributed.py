@@ -290,8 +290,9 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
     store = _meet(env, td, environ, undo)
     step = f"cpuddp/init{undo.generation}"
     try:
-        env, local_cpus = _gather_layout(env, store, step, td)
-        choice = forming.agree_backend(backend, env, store, f"{step}/backend", td, environ, _node_cpus(local_cpus))
+        env, local_cpus, smallest = _gather_layout(env, store, step, td)
+        choice = forming.agree_backend(backend, env, store, f"{step}/backend", td, environ, _node_cpus(local_cpus),
+                                       smallest)
         plan = _plan(env, choice, pin, environ, local_cpus)
         _export(env, choice, plan, environ, undo)
         load_backend(choice)
@@ -367,21 +368,22 @@ _LAYOUT_SOURCE = Provenance.derived("hosts gathered at init")
 
 
 def _gather_layout(env: DistEnv, store: Optional["Store"], step: str,
-                   td: datetime.timedelta) -> tuple[DistEnv, Optional[tuple[frozenset[int], ...]]]:
+                   td: datetime.timedelta) -> tuple[DistEnv, Optional[tuple[frozenset[int], ...]], Optional[int]]:
     """Step 3: gather every rank's host and CPUs, and prove this host's records came from its
     ranks (:func:`cpuddp.launchers.proof.prove_node`); return ``env`` with the layout they show,
-    and the allowed CPU sets of the ranks on this host (local-rank order; None for a world of 1)."""
+    the allowed CPU sets of the ranks on this host (local-rank order; None for a world of 1) and
+    the fewest ranks any node runs (None for a world of 1)."""
     if store is None:
-        return env, None
+        return env, None, None
     mine = hosts.HostRecord.here(env.rank, env.local_rank, env.local_world_size)
     where = f"{env.master_addr}:{env.master_port}"
     records = hosts.gather_hosts(
         store, f"{step}/host", mine, env.world_size, td,
         missing_fix=lambda shown: f"{_size_var(env)}={env.world_size} but rank(s) {shown} never reached the "
         f"rendezvous at {where}: start them (check the launcher's rank count and their logs), or fix the world size")
-    proof.prove_node(store, f"{step}/proof", mine, records, env.world_size, td)
+    proof.prove_node(store, f"{step}/proof", mine, records, env.world_size, td, errors=f"{step}/backend")
     lay = hosts.layout(records, env.rank)
-    return hosts.apply_layout(env, lay, _LAYOUT_SOURCE), lay.local_cpus
+    return hosts.apply_layout(env, lay, _LAYOUT_SOURCE), lay.local_cpus, min(len(n) for n in lay.nodes)
 
 
 def _size_var(env: DistEnv) -> str:

@@ -152,3 +152,17 @@ def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes(monkeypatch):
     store.set("c/1", "shm")
     store.set("c/inter/1", "ccl")
     assert agree_backend("auto", env, store, "c", td, {}).inter == "ccl"
+
+
+def test_auto_reaches_one_answer_on_every_node_of_an_uneven_job():
+    """3 ranks on 2 nodes: the node of 2 would take shm and the node of 1 gloo; the ranks must not
+    disagree (a disagreement stops init, issue 35), so auto asks for 2+ ranks on every node."""
+    from cpuddp.backends.registry import resolve_backend
+
+    two = DistEnv(rank=0, world_size=3, local_rank=0, local_world_size=2, num_nodes=2)
+    one = DistEnv(rank=2, world_size=3, local_rank=0, local_world_size=1, num_nodes=2)
+    env = {"CPUDDP_SHM": "1"}
+    got = [resolve_backend("auto", e, environ=env, node_cpus=8, smallest_node=1) for e in (two, one)]
+    assert len({c.name for c in got}) == 1 and got[0].name != "shm", got
+    assert "a node of this job runs 1 rank" in got[0].reason, got[0].reason
+    assert resolve_backend("auto", two, environ=env, node_cpus=8, smallest_node=2).name == "shm"

@@ -70,6 +70,28 @@ def test_a_second_job_in_the_same_directory_is_named_and_stopped(run_distributed
     assert [os.path.basename(p) for p in list_checkpoints(d)] == ["step-000000001.pt", "step-000000002.pt"]
 
 
+def test_a_load_beside_a_running_writer_reads_the_newest_and_names_the_writer(tmp_path, caplog) -> None:
+    """An evaluation process loads a running job's directory: it reads, never takes the directory
+    from its writer, and says who writes there; the writer saves on."""
+    d = str(tmp_path / "ck")
+    a = subprocess.Popen([sys.executable, "-c", _JOB_A, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = a.stdout.readline().split()
+        assert line[:1] == ["HELD"], f"job A did not save: {line}"
+        with caplog.at_level("WARNING", logger="cpuddp.checkpoint"):
+            got = load_checkpoint(d, model=nn.Linear(2, 2))
+        assert got is not None and got.step == 1, got
+        assert f"another job writes checkpoints in {d!r} (pid {line[1]} on host" in caplog.text, caplog.text
+        assert "CheckpointError: another job writes" in _hold_in_child(d), "job A lost its lock"
+    finally:
+        a.stdin.close()
+        a.wait(60)
+        a.stdout.close()
+        a.stderr.close()
+    assert _hold_in_child(d) == "held"  # this process's load kept nothing
+
+
 def _hold_in_child(directory: str) -> str:
     code = "import sys\nfrom cpuddp.train.ckpt_lock import hold_directory\nhold_directory(sys.argv[1])\nprint('held')"
     res = subprocess.run([sys.executable, "-c", code, directory], capture_output=True, text=True, timeout=60)

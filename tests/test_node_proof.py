@@ -133,3 +133,21 @@ def test_a_stranger_at_the_leaders_socket_is_refused_and_the_proof_still_complet
     assert knocks and knocks[0].returncode == 0, knocks
     assert out[1] == "ok", out
     assert f"uid {uid} (another user)" in caplog.text, caplog.text
+
+
+def test_the_leader_stops_at_once_when_a_member_fails_and_says_why():
+    """A member that fails after the roles are published (here: it never connects, and publishes
+    its error where init's next exchange reads it) stops the leader at once, with its error,
+    not after the timeout."""
+    import torch.distributed as dist
+
+    from cpuddp.launchers.hosts import publish_error
+
+    store = dist.HashStore()
+    recs = _records(HOST, HOST)
+    store.set("p/1", "join 0")  # rank 1 published its role, then failed
+    publish_error(store, "b", 1, RuntimeError("rank 1 could not go on"))
+    start = time.monotonic()
+    with pytest.raises(RendezvousError, match="rank 0: rank 1 failed during init: RuntimeError: rank 1 could not go on"):
+        prove_node(store, "p", recs[0], recs, 2, TD, errors="b")
+    assert time.monotonic() - start < 5

@@ -1,4 +1,4 @@
-"""No abort at exit: 20 runs of each shard mode, 2 ranks each, ending as scripts end.
+"""No abort at exit: 8 runs of each shard mode, 2 ranks each, ending as scripts end.
 
 ``ZeroRedundancyOptimizer`` + DDP on plain gloo died at exit with SIGABRT ("terminate called
 without an active exception") in 2 of 4 runs (issue 29): a gloo worker thread still releasing
@@ -22,7 +22,7 @@ from cpuddp import _procs
 
 pytestmark = [pytest.mark.slow]
 
-RUNS = 20
+RUNS = 8
 RUN_TIMEOUT = 90
 
 SCRIPT = r'''

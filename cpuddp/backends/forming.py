@@ -34,7 +34,8 @@ log = logging.getLogger("cpuddp")
 
 
 def agree_backend(requested: str, env: "DistEnv", store: Optional["Store"], name: str, td: datetime.timedelta,
-                  environ: Mapping[str, str], node_cpus: Optional[int] = None) -> "BackendChoice":
+                  environ: Mapping[str, str], node_cpus: Optional[int] = None,
+                  smallest_node: Optional[int] = None) -> "BackendChoice":
     """This rank's backend choice, checked against every other rank's through the store.
 
     Each rank keeps its own choice: what the store says of the others' can stop the job, never
@@ -43,7 +44,8 @@ def agree_backend(requested: str, env: "DistEnv", store: Optional["Store"], name
     ``gloo`` would otherwise move the job onto sockets it can reach; docs/security.md)."""
     from . import registry as backends  # through the module: tests replace resolve_backend there
 
-    choice = backends.resolve_backend(requested, env, environ=environ, node_cpus=node_cpus)
+    choice = backends.resolve_backend(requested, env, environ=environ, node_cpus=node_cpus,
+                                      smallest_node=smallest_node)
     if store is not None:
         _agree(env, store, name, td, choice.name, requested, "backend")
         if choice.inter is not None:  # every rank chose shm across the same nodes

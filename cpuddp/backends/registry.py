@@ -274,11 +274,15 @@ def resolve_backend(
     device: Optional[str] = None,
     node_cpus: Optional[int] = None,
     probe_torch: bool = True,
+    smallest_node: Optional[int] = None,
 ) -> BackendChoice:
     """Pick the backend for ``requested`` ("auto", "ccl", "gloo", ... any registered name).
 
     ``node_cpus``: the CPUs this node's ranks may use together (known at init, from the hosts
     gathered); "auto" takes the shared-memory backend only when they do not outnumber them.
+    ``smallest_node``: the fewest ranks any node of the job runs (known at init, the same on every
+    rank); "auto" takes shm only when every node runs 2 or more, so every rank of a job laid out
+    unevenly reaches the same answer (a disagreement is an error: :mod:`cpuddp.backends.forming`).
     ``probe_torch=False`` (``cpuddp doctor`` without ``--torch``): gloo is taken as built in
     rather than checked by importing torch; the rule is the same (:mod:`cpuddp.backends.auto`).
 
@@ -292,7 +296,7 @@ def resolve_backend(
     name = requested.strip().lower()
     lk = _lookups(metadata, find_module, environ)
     if name == "auto":
-        return _auto(env, lk, (device or "cpu").strip().lower(), node_cpus, probe_torch)
+        return _auto(env, lk, (device or "cpu").strip().lower(), node_cpus, probe_torch, smallest_node)
     spec = BACKENDS.get(name)
     if spec is None:
         raise _unknown(requested)
@@ -325,9 +329,9 @@ def resolve_backend(
 
 
 def _auto(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[int] = None,
-          probe_torch: bool = True) -> BackendChoice:
+          probe_torch: bool = True, smallest_node: Optional[int] = None) -> BackendChoice:
     """Gather the facts :func:`cpuddp.backends.auto.auto_rule` needs, ask it, and check the answer."""
-    facts = _auto_facts(env, lk, device, node_cpus, probe_torch)
+    facts = _auto_facts(env, lk, device, node_cpus, probe_torch, smallest_node)
     d = auto_rule(facts)
     if d.backend == "gloo":
         return _auto_gloo(lk, d.reason, probe_torch)
@@ -338,7 +342,8 @@ def _auto(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[int] = N
     return BackendChoice(d.backend, f"auto: {d.reason}", spec.module if spec else None, "auto", inter=d.inter)
 
 
-def _auto_facts(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[int], probe_torch: bool) -> AutoFacts:
+def _auto_facts(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[int], probe_torch: bool,
+                smallest_node: Optional[int] = None) -> AutoFacts:
     if device == "cuda":
         if not probe_torch:
             return AutoFacts(env.local_world_size, env.num_nodes, False, "", False, "", device,
@@ -347,7 +352,7 @@ def _auto_facts(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[in
         return AutoFacts(env.local_world_size, env.num_nodes, False, "", False, "", device,
                          bool(nccl and nccl.available), nccl.reason if nccl else "nccl is not registered")
     ccl = _status(BACKENDS["ccl"], lk) if "ccl" in BACKENDS else None
-    shm = _auto_shm(env, lk, node_cpus)
+    shm = _auto_shm(env, lk, node_cpus, smallest_node)
     return AutoFacts(
         env.local_world_size, max(1, env.num_nodes),
         bool(shm and shm.available), shm.reason if shm else "shm is not registered",
@@ -361,7 +366,8 @@ def shm_inter(env: "DistEnv", lk: Optional[Lookups] = None) -> Optional[str]:
     return inter_leg(env.num_nodes, bool(ccl and ccl.available), ccl.reason if ccl else "")[0]
 
 
-def _auto_shm(env: "DistEnv", lk: Lookups, node_cpus: Optional[int]) -> Optional[BackendStatus]:
+def _auto_shm(env: "DistEnv", lk: Lookups, node_cpus: Optional[int],
+              smallest_node: Optional[int] = None) -> Optional[BackendStatus]:
     """The shared-memory backend's verdict for this node (None when it is not registered)."""
     from cpuddp.backends.shm import check as shm_check
 
@@ -369,6 +375,9 @@ def _auto_shm(env: "DistEnv", lk: Lookups, node_cpus: Optional[int]) -> Optional
     if spec is None:
         return None
     ok, reason = shm_check.eligibility(env.local_world_size, lk.environ, node_cpus=node_cpus)
+    if ok and smallest_node is not None and smallest_node < 2:
+        ok, reason = False, (f"a node of this job runs {smallest_node} rank: auto takes shared memory only where "
+                             "every node runs 2 or more (backend='shm' runs such a layout, over gloo)")
     return BackendStatus(spec.name, ok, reason, module=spec.module)
 
 

@@ -27,6 +27,7 @@ Standard library only.
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -35,12 +36,12 @@ import select
 import socket
 import struct
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from cpuddp.errors import RendezvousError
 
 from . import store_values
-from .hosts import HostRecord, exchange, parse_record
+from .hosts import _ERROR, HostRecord, _peer_error, exchange, parse_record
 
 __all__ = ["prove_node", "node_roles", "check_roles"]
 
@@ -80,9 +81,11 @@ def check_roles(rank: int, local: Sequence[int], roles: Sequence[str]) -> None:
 
 
 def prove_node(store: Any, name: str, mine: HostRecord, records: Sequence[HostRecord], world_size: int,
-               timeout: datetime.timedelta) -> None:
+               timeout: datetime.timedelta, errors: str = "") -> None:
     """Check ``records`` (read from the store) against what this host's ranks wrote; see the
-    module docstring.  ``mine``: the record this rank wrote."""
+    module docstring.  ``mine``: the record this rank wrote.  ``errors``: the exchange where a
+    rank that fails publishes its error (the next one of init): the leader stops at once with a
+    member's error instead of waiting for it."""
     rank = mine.rank
     if records[rank] != mine:
         raise _fail(rank, f"the store's host record of rank {rank} is not the one rank {rank} wrote "
@@ -96,7 +99,7 @@ def prove_node(store: Any, name: str, mine: HostRecord, records: Sequence[HostRe
         roles = exchange(store, name, rank, world_size, role, timeout, what="proof")
         check_roles(rank, local, roles)
         if server is not None:
-            _lead(server, mine, records, local, deadline)
+            _lead(server, mine, records, local, deadline, lambda missing: _failed(store, errors, missing))
         elif len(local) > 1:
             _join(roles[local[0]].split(" ", 1)[1], mine, records, local, deadline)
     finally:
@@ -146,34 +149,26 @@ def _recv_exactly(conn: socket.socket, n: int, deadline: float) -> bytes:
 
 
 def _lead(server: socket.socket, mine: HostRecord, records: Sequence[HostRecord], local: Sequence[int],
-          deadline: float) -> None:
+          deadline: float, failed: Callable[[list[int]], Optional[str]]) -> None:
     """Accept each local member (refusing every other user), check the record it wrote against
-    the store's, then send every member the node's records as their writers sent them."""
-    rank, members, strangers = mine.rank, {}, 0
+    the store's, then send every member the node's records as their writers sent them.
+    ``failed(missing)``: the error a missing member published instead, if any."""
+    rank, members, strangers = mine.rank, {}, [0]
     try:
         while len(members) < len(local) - 1:
+            missing = sorted(set(local[1:]) - set(members))
+            why = failed(missing)
+            if why:
+                raise RendezvousError(f"rank {rank}: {why}", fix="see that rank's log for the cause; every rank stops with it")
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = sorted(set(local[1:]) - set(members))
                 raise RendezvousError(
                     f"rank {rank}: rank(s) {missing} of this host never reached its private check of the host "
-                    f"records" + (f" ({strangers} connection(s) from other users were refused)" if strangers else ""),
+                    f"records" + (f" ({strangers[0]} connection(s) from other users were refused)" if strangers[0] else ""),
                     fix="see those ranks' logs; raise CPUDDP_TIMEOUT if they were merely slow")
-            if not select.select([server], [], [], min(left, 0.5))[0]:
-                continue
-            try:
-                conn, _ = server.accept()
-            except BlockingIOError:
-                continue
-            pid, uid = _peer(conn)
-            if uid != os.getuid():
-                conn.close()
-                strangers += 1
-                if strangers % _STRANGER_LOG_EVERY == 1:
-                    log.warning("cpuddp: refused connection %d to rank %d's private check from pid %d, uid %d "
-                                "(another user)", strangers, rank, pid, uid)
-                continue
-            _member(conn, rank, records, local, members, deadline)
+            if select.select([server], [], [], min(left, 0.5))[0]:
+                for conn in _accept_all(server, rank, strangers):
+                    _member(conn, rank, records, local, members, deadline)
         table = [mine.to_json()] + [members[r][1] for r in local[1:]]
         for r in local[1:]:
             _send(members[r][0], table)
@@ -182,13 +177,55 @@ def _lead(server: socket.socket, mine: HostRecord, records: Sequence[HostRecord]
             conn.close()
 
 
+def _accept_all(server: socket.socket, rank: int, strangers: list[int]) -> list[socket.socket]:
+    """Every connection waiting on ``server`` from this user; another user's are closed at once
+    (counted in ``strangers[0]``, logged now and then), so a flood cannot keep the backlog full."""
+    mine = []
+    while True:
+        try:
+            conn, _ = server.accept()
+        except (BlockingIOError, InterruptedError):
+            return mine
+        pid, uid = _peer(conn)
+        if uid == os.geteuid():
+            mine.append(conn)
+            continue
+        conn.close()
+        strangers[0] += 1
+        if strangers[0] % _STRANGER_LOG_EVERY == 1:
+            log.warning("cpuddp: refused connection %d to rank %d's private check from pid %d, uid %d "
+                        "(another user)", strangers[0], rank, pid, uid)
+
+
+def _failed(store: Any, name: str, ranks: Sequence[int]) -> Optional[str]:
+    """The first error one of ``ranks`` published in exchange ``name`` ('' when none did)."""
+    if not name:
+        return None
+    for r in ranks:
+        key = f"{name}/{r}"
+        try:
+            if store.check([key]):
+                value = store.get(key).decode(errors="replace")
+                if value.startswith(_ERROR):
+                    return f"rank {r} failed during init: {_peer_error(value[len(_ERROR):])}"
+        except Exception:  # noqa: BLE001 -- a store that fails here fails the next exchange too
+            return None
+    return None
+
+
 def _member(conn: socket.socket, rank: int, records: Sequence[HostRecord], local: Sequence[int],
             members: dict, deadline: float) -> None:
     """Read one member's record and check it against the store's copy (the leader's side)."""
     try:
         raw = _recv(conn, deadline)
+    except OSError as exc:
+        conn.close()
+        raise RendezvousError(f"rank {rank}: a rank of this host connected to its private check of the host records "
+                              f"and ended before it sent its record ({exc})",
+                              fix="see the other ranks' logs; raise CPUDDP_TIMEOUT if they were merely slow") from None
+    try:
         got = parse_record("the private check", raw, int(json.loads(raw)["rank"]), len(records))
-    except (OSError, ValueError, KeyError, TypeError, RendezvousError) as exc:
+    except (ValueError, KeyError, TypeError, RendezvousError) as exc:
         conn.close()
         raise _fail(rank, f"a process of this user sent the private check of the host records something "
                     f"other than a record ({type(exc).__name__}: {exc})") from None
@@ -208,15 +245,9 @@ def _join(sock: str, mine: HostRecord, records: Sequence[HostRecord], local: Seq
           deadline: float) -> None:
     """Send the leader this rank's record; check the node's records the leader sends back."""
     rank, lead = mine.rank, local[0]
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
-        conn.settimeout(max(0.01, deadline - time.monotonic()))
-        try:
-            conn.connect(_PREFIX + sock.encode())
-        except OSError as exc:
-            raise _fail(rank, f"rank {lead}'s private check of the host records is not listening where the "
-                        f"store says ({exc.strerror or exc})") from None
+    with _connect(rank, lead, sock, deadline) as conn:
         pid, uid = _peer(conn)
-        if uid != os.getuid():
+        if uid != os.geteuid():
             raise _fail(rank, f"the socket the store names for rank {lead}'s private check belongs to pid {pid} "
                         f"of uid {uid}, another user")
         try:
@@ -227,6 +258,32 @@ def _join(sock: str, mine: HostRecord, records: Sequence[HostRecord], local: Seq
                                   f"({exc}); its log says why",
                                   fix=f"see rank {lead}'s log; every rank stops with it") from None
     _compare(rank, table, records, local)
+
+
+def _connect(rank: int, lead: int, sock: str, deadline: float) -> socket.socket:
+    """A connection to the leader's socket; a full backlog (another user's flood) is waited out
+    in the kernel until ``deadline``, then named."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        while True:
+            wait = min(1.0, max(0.01, deadline - time.monotonic()))
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(wait), int(wait % 1 * 1e6)))
+            try:
+                conn.connect(_PREFIX + sock.encode())
+                break
+            except OSError as exc:
+                if exc.errno != errno.EAGAIN:
+                    raise _fail(rank, f"rank {lead}'s private check of the host records is not listening where the "
+                                f"store says ({exc.strerror or exc})") from None
+                if time.monotonic() >= deadline:
+                    raise RendezvousError(f"rank {rank}: rank {lead}'s private check of the host records kept its "
+                                          "listen backlog full until the timeout (busy: another process floods it)",
+                                          fix="run the job in a network namespace of its own (docs/security.md)") from None
+        conn.settimeout(max(0.01, deadline - time.monotonic()))
+        return conn
+    except BaseException:
+        conn.close()
+        raise
 
 
 def _compare(rank: int, table: Any, records: Sequence[HostRecord], local: Sequence[int]) -> None:

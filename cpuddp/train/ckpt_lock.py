@@ -1,11 +1,12 @@
-"""One writer per checkpoint directory: the job that saves or loads there first holds it until it exits.
+"""One writer per checkpoint directory: the job that saves there first holds it until it exits.
 
 Two jobs saving into one directory would prune, replace and supersede each other's checkpoints
 (``keep=`` counts the other's too, and ``load_checkpoint(dir)`` would resume whichever wrote
-last).  So the first :func:`cpuddp.save_checkpoint` or :func:`cpuddp.load_checkpoint` of a job
+last).  So the first :func:`cpuddp.save_checkpoint` of a job
 in a directory takes a lock on ``directory/.cpuddp-lock`` and holds it until the process exits;
-a second job gets a :class:`~cpuddp.errors.CheckpointError` naming the host and pid of the job
-that holds it.
+a second job's save gets a :class:`~cpuddp.errors.CheckpointError` naming the host and pid of
+the job that holds it.  A load does not keep it (:func:`while_free`): it cleans up under the lock
+when the lock is free, and reads as it is when another job holds it.
 
 Only the process that does a checkpoint's directory work takes it (group rank 0: it writes the
 files, the manifest and the renames; the other ranks write a sharded checkpoint's shards into
@@ -29,12 +30,12 @@ import os
 import stat
 import struct
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from cpuddp.errors import CheckpointError
 from cpuddp.topology.here import hostname
 
-__all__ = ["LOCK_FILE", "hold_directory", "release_directory", "holds_directory"]
+__all__ = ["LOCK_FILE", "hold_directory", "release_directory", "holds_directory", "while_free"]
 
 _log = logging.getLogger("cpuddp.checkpoint")
 
@@ -145,3 +146,29 @@ def hold_directory(directory: str, *, load: bool = False) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"host": hostname(), "pid": os.getpid(), "since": time.time()}).encode(), 0)
     _HELD[_key(directory)] = fd
+
+
+def while_free(directory: str, work: Callable[[], object]) -> Optional[str]:
+    """Run ``work()`` under ``directory``'s lock when no other job holds it, without keeping the
+    lock (a load: reading takes no directory from its writer); else return who holds it.  A
+    directory this user cannot write is read as it is (``work`` is not run)."""
+    if holds_directory(directory):
+        work()
+        return None
+    fd = _open_lock(directory, load=True)
+    if fd is None:
+        return None
+    try:
+        _lock(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):
+            os.close(fd)
+            raise
+        who = _holder(fd)
+        os.close(fd)
+        return who
+    try:
+        work()
+    finally:
+        os.close(fd)  # drops the lock: this process has not saved here
+    return None

@@ -36,8 +36,9 @@ or are resumed from the directory.  They form one line: a save of step ``T`` mov
 above ``T`` (a line abandoned by resuming from an earlier step) into
 ``abandoned-at-step-T.<random>/``, so ``keep=`` never removes the checkpoint just written and
 ``load_checkpoint(directory)`` resumes the newest of the current line.  **One writer**
-(:mod:`cpuddp.train.ckpt_lock`): the first save or load of a job in a directory holds it
-until the process exits; another job there gets an error naming that job's host and pid.
+(:mod:`cpuddp.train.ckpt_lock`): the first save of a job in a directory holds it until the
+process exits; another job's save there gets an error naming that job's host and pid (its load
+a warning).
 
 **Resuming**: at the same world size a resumed fp32 run continues bit-identically (the same
 batches, random numbers and optimizer steps; tested on 2 ranks).  At another world size the
@@ -70,7 +71,7 @@ from . import rng
 from .checkpoint import write_atomically
 from .ckpt_dirs import remove_dead_dirs
 from .ckpt_index import checkpoint_name, checkpoints, note_new, prune, supersede
-from .ckpt_lock import hold_directory, holds_directory
+from .ckpt_lock import hold_directory, while_free
 from .data import ShardedLoader
 from .paths import check_directory, make_private_dirs, open_own_file, state_nbytes
 from .prepare import unwrap
@@ -298,9 +299,10 @@ def _find(path: str, check_permissions: bool) -> Optional[list[str]]:
         raise CheckpointError(f"{path!r} is neither a checkpoint nor a directory ({stat.filemode(st.st_mode)})",
                               path=path, fix="pass the directory save_checkpoint() wrote, or one checkpoint in it")
     check_directory(path, check_permissions=check_permissions, stacklevel=6)
-    hold_directory(path, load=True)
-    if holds_directory(path):
-        remove_dead_dirs(path)  # a killed replacement's checkpoint restored
+    busy = while_free(path, lambda: remove_dead_dirs(path))  # a killed replacement's checkpoint restored
+    if busy:
+        _log.warning("another job writes checkpoints in %r (%s holds its lock): reading its newest checkpoint; this "
+                     "process cannot save there while that job runs", path, busy)
     found = checkpoints(path, check_permissions=check_permissions, others=not check_permissions)
     if not found:
         return None
