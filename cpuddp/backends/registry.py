@@ -280,17 +280,15 @@ def resolve_backend(
 
     ``node_cpus``: the CPUs this node's ranks may use together (known at init, from the hosts
     gathered); "auto" takes the shared-memory backend only when they do not outnumber them.
-    ``smallest_node``: the fewest ranks any node of the job runs (known at init, the same on every
-    rank); "auto" takes shm only when every node runs 2 or more, so every rank of a job laid out
-    unevenly reaches the same answer (a disagreement is an error: :mod:`cpuddp.backends.forming`).
+    ``smallest_node``: the fewest ranks any node runs (known at init); "auto" takes shm only when
+    every node runs 2+, so the ranks of an uneven job agree (:mod:`cpuddp.backends.forming`).
     ``probe_torch=False`` (``cpuddp doctor`` without ``--torch``): gloo is taken as built in
     rather than checked by importing torch; the rule is the same (:mod:`cpuddp.backends.auto`).
 
-    ``device`` ("cpu" by default, or "cuda") steers "auto".  Nothing is imported except
-    torch itself.  Raises :class:`~cpuddp.errors.BackendError` for an unknown name (listing
-    the valid ones), and for a named backend that cannot run here (for ccl: naming the
-    package and the versions found).  Never falls back from a named backend to another.
-    """
+    ``device`` ("cpu" by default, or "cuda") steers "auto".  Nothing is imported except torch
+    itself.  Raises :class:`~cpuddp.errors.BackendError` for an unknown name (listing the valid
+    ones), and for a named backend that cannot run here (for ccl: the package and versions
+    found).  Never falls back from a named backend to another."""
     if not isinstance(requested, str):
         raise _unknown(requested)
     name = requested.strip().lower()
