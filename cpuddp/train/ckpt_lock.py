@@ -119,6 +119,20 @@ def _lock(fd: int) -> None:
     fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
+def _take(fd: int) -> Optional[str]:
+    """Lock ``fd``'s file; None when taken, else who holds it (``fd`` then closed)."""
+    try:
+        _lock(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EAGAIN):
+            os.close(fd)
+            raise
+        who = _holder(fd)
+        os.close(fd)
+        return who
+    return None
+
+
 def hold_directory(directory: str, *, load: bool = False) -> None:
     """Take ``directory``'s writer lock for this process's life (a no-op when held already).
 
@@ -129,14 +143,8 @@ def hold_directory(directory: str, *, load: bool = False) -> None:
     fd = _open_lock(directory, load)
     if fd is None:
         return
-    try:
-        _lock(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EACCES, errno.EAGAIN):
-            os.close(fd)
-            raise
-        who = _holder(fd)
-        os.close(fd)
+    who = _take(fd)
+    if who is not None:
         raise CheckpointError(
             f"another job writes checkpoints in {directory!r}: {who} holds {LOCK_FILE} (two jobs in one "
             "directory would prune and resume each other's checkpoints)", path=directory,
@@ -158,14 +166,8 @@ def while_free(directory: str, work: Callable[[], object]) -> Optional[str]:
     fd = _open_lock(directory, load=True)
     if fd is None:
         return None
-    try:
-        _lock(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EACCES, errno.EAGAIN):
-            os.close(fd)
-            raise
-        who = _holder(fd)
-        os.close(fd)
+    who = _take(fd)
+    if who is not None:
         return who
     try:
         work()
