@@ -43,7 +43,7 @@ from cpuddp.errors import RendezvousError
 from . import store_values
 from .hosts import _ERROR, HostRecord, _peer_error, exchange, parse_record
 
-__all__ = ["prove_node", "node_roles", "check_roles"]
+__all__ = ["prove_node", "node_roles", "check_roles", "connect_waiting"]
 
 log = logging.getLogger("cpuddp")
 
@@ -260,30 +260,42 @@ def _join(sock: str, mine: HostRecord, records: Sequence[HostRecord], local: Seq
     _compare(rank, table, records, local)
 
 
-def _connect(rank: int, lead: int, sock: str, deadline: float) -> socket.socket:
-    """A connection to the leader's socket; a full backlog (another user's flood) is waited out
-    in the kernel until ``deadline``, then named."""
+def connect_waiting(address: bytes, deadline: float) -> socket.socket:
+    """A connected AF_UNIX stream socket to ``address``.  A full listen backlog (another user's
+    flood) is waited out in the kernel, each try at most 1 s, until ``deadline``; then the last
+    ``EAGAIN`` is raised.  Any other error is raised at once.  (A plain socket timeout makes an
+    AF_UNIX connect fail with ``EAGAIN`` at once instead.)  The socket is left blocking."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         while True:
             wait = min(1.0, max(0.01, deadline - time.monotonic()))
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(wait), int(wait % 1 * 1e6)))
             try:
-                conn.connect(_PREFIX + sock.encode())
+                conn.connect(address)
                 break
             except OSError as exc:
-                if exc.errno != errno.EAGAIN:
-                    raise _fail(rank, f"rank {lead}'s private check of the host records is not listening where the "
-                                f"store says ({exc.strerror or exc})") from None
-                if time.monotonic() >= deadline:
-                    raise RendezvousError(f"rank {rank}: rank {lead}'s private check of the host records kept its "
-                                          "listen backlog full until the timeout (busy: another process floods it)",
-                                          fix="run the job in a network namespace of its own (docs/security.md)") from None
-        conn.settimeout(max(0.01, deadline - time.monotonic()))
+                if exc.errno != errno.EAGAIN or time.monotonic() >= deadline:
+                    raise
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
         return conn
     except BaseException:
         conn.close()
         raise
+
+
+def _connect(rank: int, lead: int, sock: str, deadline: float) -> socket.socket:
+    """A connection to the leader's socket (:func:`connect_waiting`), its failures worded."""
+    try:
+        conn = connect_waiting(_PREFIX + sock.encode(), deadline)
+    except OSError as exc:
+        if exc.errno == errno.EAGAIN:
+            raise RendezvousError(f"rank {rank}: rank {lead}'s private check of the host records kept its "
+                                  "listen backlog full until the timeout (busy: another process floods it)",
+                                  fix="run the job in a network namespace of its own (docs/security.md)") from None
+        raise _fail(rank, f"rank {lead}'s private check of the host records is not listening where the "
+                    f"store says ({exc.strerror or exc})") from None
+    conn.settimeout(max(0.01, deadline - time.monotonic()))
+    return conn
 
 
 def _compare(rank: int, table: Any, records: Sequence[HostRecord], local: Sequence[int]) -> None:

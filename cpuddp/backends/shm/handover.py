@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from cpuddp.errors import BackendError
+from cpuddp.launchers.proof import connect_waiting
 from cpuddp.launchers.store_values import STORE_FIX
 from cpuddp.topology.here import pid_alive
 
@@ -342,30 +343,18 @@ def _connect(name: str, deadline: float, busy: Callable[[], str]) -> socket.sock
     """A connection to local rank 0's hand-over socket.  A full backlog is waited out in the kernel
     (each ``accept`` wakes the waiting connects) until ``deadline``; then the error says the socket
     was busy, and by whom (``busy()``: local rank 0's published count, or nothing)."""
-    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        while True:
-            wait = min(1.0, max(0.01, deadline - time.monotonic()))
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", int(wait), int(wait % 1 * 1e6)))
-            try:
-                conn.connect(_SOCK_PREFIX + name.encode())
-                break
-            except OSError as exc:
-                if exc.errno != errno.EAGAIN:
-                    raise BackendError(f"cannot reach local rank 0's shared-memory hand-over socket: {exc.strerror} "
-                                       "(ranks with the same host identity in different network namespaces?)",
-                                       fix=FIX) from exc
-                if time.monotonic() >= deadline:
-                    counts = busy()
-                    raise BackendError("hand-over socket busy: local rank 0's shared-memory hand-over socket kept its "
-                                       "listen backlog full until the group timeout, so this rank could not connect"
-                                       + (f" (local rank 0 refused {counts})" if counts else ""),
-                                       fix=_BUSY_FIX) from exc
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", 0, 0))
-        return conn
-    except BaseException:
-        conn.close()
-        raise
+        return connect_waiting(_SOCK_PREFIX + name.encode(), deadline)
+    except OSError as exc:
+        if exc.errno != errno.EAGAIN:
+            raise BackendError(f"cannot reach local rank 0's shared-memory hand-over socket: {exc.strerror} "
+                               "(ranks with the same host identity in different network namespaces?)",
+                               fix=FIX) from exc
+        counts = busy()
+        raise BackendError("hand-over socket busy: local rank 0's shared-memory hand-over socket kept its "
+                           "listen backlog full until the group timeout, so this rank could not connect"
+                           + (f" (local rank 0 refused {counts})" if counts else ""),
+                           fix=_BUSY_FIX) from exc
 
 
 def _fetch(name: str, token: int, plan: NodePlan, slot: int, deadline: float,
