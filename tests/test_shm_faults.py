@@ -282,6 +282,13 @@ def test_a_rank_that_dies_while_the_segment_is_handed_over_is_an_error_in_second
     assert not [f for f in set(os.listdir("/dev/shm")) - before if f.startswith("cpuddp")]
 
 
+def test_a_peer_slow_to_map_the_segment_is_waited_for_not_called_dead(tmp_path):
+    r0, r1 = _launch("slow_mapping", tmp_path)
+    for r in (r0, r1):
+        assert r.get("init") == "ok" and r.get("first") == "ok", (r0, r1)
+        assert r["sum"] == 3.0, r
+
+
 # --------------------------------------------------------------------------- another local user
 
 INTRUDER = "cpuddp-intruder"

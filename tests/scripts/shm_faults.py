@@ -7,6 +7,8 @@ hosts the TCPStore); writes ``OUTDIR/rank<r>.json``.  Modes:
   allreduce; rank 0's next allreduce must fail within seconds, naming the death.
 * ``dies_mapping``: rank 1 dies (os._exit) right when it would fetch the segment from local
   rank 0: rank 0's init must fail within seconds, naming the death.
+* ``slow_mapping``: rank 1 takes a second to map the segment it received; rank 0's first
+  allreduce must wait for it, never call it dead (it holds no liveness lock yet while mapping).
 * ``attacked``: form the group, then DDP's initial broadcast, a broadcast, an all_gather, a
   barrier and 200 allreduces, each checked, while another local user
   (tests/scripts/shm_intruder.py) writes false offers, gloo addresses and host records into the
@@ -53,6 +55,13 @@ if mode == "dies_mapping" and rank == 1:
         os._exit(17)  # a crash at the moment the segment would be fetched
     handover._fetch = _die
 
+if mode == "slow_mapping" and rank == 1:
+    class _SlowSegment(handover.Segment):
+        def __init__(self, *a, **k):
+            time.sleep(1.0)  # a loaded node: mapping takes ten of the peers' liveness checks
+            super().__init__(*a, **k)
+    handover.Segment = _SlowSegment
+
 timeout = datetime.timedelta(seconds=60)
 attempt("init", lambda: dist.init_process_group("shm", timeout=timeout))
 if report["init"] != "ok":
@@ -65,6 +74,12 @@ if mode == "peer_dies":
         os._exit(9)  # under unshare --pid it is PID 1 of its namespace, which ignores its own SIGKILL
     time.sleep(1.0)
     attempt("second", lambda: dist.all_reduce(torch.ones(1000)))
+    done()
+
+if mode == "slow_mapping":
+    t = torch.full((1000,), float(rank + 1))
+    attempt("first", lambda: dist.all_reduce(t))
+    report["sum"] = t[0].item()
     done()
 
 if mode == "attacked":

@@ -358,8 +358,10 @@ def _connect(name: str, deadline: float, busy: Callable[[], str]) -> socket.sock
 
 
 def _fetch(name: str, token: int, plan: NodePlan, slot: int, deadline: float,
-           busy: Callable[[], str] = lambda: "") -> Tuple[int, List[int]]:
-    """A peer: connect to local rank 0's socket, check it, receive and check the descriptors."""
+           busy: Callable[[], str] = lambda: "") -> Tuple[Segment, List[int]]:
+    """A peer: connect to local rank 0's socket, check it, receive and check the descriptors, map
+    the segment and take this rank's liveness lock -- all before the "ok" that lets local rank 0
+    start its first round (a peer it waits for then never looks dead for still mapping)."""
     rank0 = plan.local[0]
     pid0 = plan.peer_pids.get(rank0)
     want = plan.local_size  # the segment and one socket per other local rank
@@ -381,6 +383,8 @@ def _fetch(name: str, token: int, plan: NodePlan, slot: int, deadline: float,
             os.close(fds[0])
         try:
             check_received(fd, token, plan.local_size, slot)
+            seg = Segment(fd, plan.local_rank, plan.local_size, slot)
+            seg.hold_liveness()
         except BaseException as exc:
             os.close(fd)
             for f in fds[1:]:
@@ -389,7 +393,7 @@ def _fetch(name: str, token: int, plan: NodePlan, slot: int, deadline: float,
                 conn.sendall(str(getattr(exc, "msg", exc)).encode()[:4000])
             raise
         conn.sendall(b"ok")
-    return fd, fds[1:]
+    return seg, fds[1:]
 
 
 def _attach(store: Any, key: str, plan: NodePlan, deadline: float) -> Tuple[Segment, Dict[int, socket.socket]]:
@@ -403,18 +407,9 @@ def _attach(store: Any, key: str, plan: NodePlan, deadline: float) -> Tuple[Segm
         key = f"busy/{rank0}"
         return busy_text(parse_busy(store.get(key))) if store.check([key]) else ""
 
-    fd, others = _fetch(name, token, plan, slot, deadline, busy)
+    seg, others = _fetch(name, token, plan, slot, deadline, busy)
     peers = [j for j in range(plan.local_size) if j != plan.local_rank]
-    socks = {j: socket.socket(fileno=f) for j, f in zip(peers, others)}
-    try:
-        seg = Segment(fd, plan.local_rank, plan.local_size, slot)
-        seg.hold_liveness()
-    except BaseException:
-        os.close(fd)
-        for s in socks.values():
-            s.close()
-        raise
-    return seg, socks
+    return seg, {j: socket.socket(fileno=f) for j, f in zip(peers, others)}
 
 
 def _wait_key(store: Any, key: str, deadline: float, what: str, failed: Callable[[], Optional[str]]) -> bytes:
