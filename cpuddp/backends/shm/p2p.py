@@ -25,19 +25,19 @@ import selectors
 import socket
 import struct
 import threading
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Deque, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .forks import close_in_forked_child
+
 __all__ = ["PeerLinks"]
 
 _HEADER = struct.Struct("<bqqq16s")  # kind, tag, bytes, elements, dtype
 _DATA, _REFUSAL = 0, 1
 _MAX_REFUSAL = 1 << 16
-_live: "weakref.WeakSet[PeerLinks]" = weakref.WeakSet()
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -119,7 +119,7 @@ class PeerLinks:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name=f"cpuddp-shm-p2p-{rank}", daemon=True)
         self._thread.start()
-        _live.add(self)
+        close_in_forked_child(self)
 
     def has(self, rank: int) -> bool:
         return rank in self._peers
@@ -356,12 +356,4 @@ class PeerLinks:
         self._stop = True
         self._close_sockets()
 
-
-def _after_fork_in_child() -> None:
-    for links in list(_live):
-        links.after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 

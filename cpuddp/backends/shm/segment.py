@@ -31,7 +31,6 @@ import os
 import secrets
 import stat
 import struct
-import weakref
 from typing import Dict, List, Tuple
 
 import torch
@@ -39,6 +38,7 @@ import torch
 from cpuddp.errors import BackendError
 
 from . import check as shm_check
+from .forks import close_in_forked_child
 
 __all__ = ["Segment", "create_segment", "check_received", "MAGIC", "FIX"]
 
@@ -52,9 +52,6 @@ STATE_LIVE, STATE_LEFT = 0, 1
 FIX = ("give the job memory for the segment (or lower CPUDDP_SHM_SLOT), run the node's ranks as one user "
        "in one network namespace, or pass backend='gloo'")
 _FLOCK = "hhqqixxxx"  # struct flock on Linux x86-64: type, whence, start, len, pid (+pad)
-
-#: Segments of this process, for the fork handler.
-_live: "weakref.WeakSet[Segment]" = weakref.WeakSet()
 
 
 def _lock(fd: int, cmd: int, kind: int, offset: int) -> int:
@@ -92,7 +89,7 @@ class Segment:
         self._views: Dict[torch.dtype, List[List[torch.Tensor]]] = {}
         self.forked = False
         self.lock_fd = -1  # the liveness lock's own open file description (hold_liveness)
-        _live.add(self)
+        close_in_forked_child(self)
 
     def hold_liveness(self) -> None:
         """Lock this rank's byte past the end through a descriptor of its own: held until this
@@ -141,18 +138,10 @@ class Segment:
                 except OSError:
                     pass
 
-    def _after_fork_in_child(self) -> None:
+    def after_fork_in_child(self) -> None:
         self.forked = True
         self.close()
 
-
-def _after_fork_in_child() -> None:
-    for seg in list(_live):
-        seg._after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _reserve(fd: int, total: int, local_size: int) -> None:
