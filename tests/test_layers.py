@@ -222,7 +222,7 @@ OWNERS = {
     "pid_alive": HERE, "pid_namespace": HERE, "namespace_id": HERE,
     "HostRecord": "cpuddp.launchers.hosts", "parse_record": "cpuddp.launchers.hosts",
     "STORE_FIX": "cpuddp.launchers.store_values",
-    "agree_backend": "cpuddp.backends.forming", "agree_inter": "cpuddp.backends.forming",
+    "agree_backend": "cpuddp.backends.decide",
     "BenchConfig": "cpuddp.bench.config", "RunConfig": "cpuddp.run.command",
     "DoctorConfig": "cpuddp.doctor.command",
 }
