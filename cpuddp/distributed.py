@@ -20,12 +20,14 @@ The order, and why:
    its launcher said through the store, and reads everyone's.  This fixes the local rank,
    local size and node rank from the hosts themselves (two ranks on one host launched
    Kubeflow-style are seen as such), with no collective, no pickle and no numpy.
-4. **Choose the backend** (:func:`cpuddp.backends.resolve_backend`) from that layout; the
-   ranks compare their choices through the store (:func:`cpuddp.backends.forming.agree_backend`),
-   so they never form mismatched groups.
-5. **Plan and pin** (:mod:`cpuddp.affinity`): the compute threads -- this thread and every
-   thread that existed before init, OpenMP's pool among them -- go to the rank's own cores.
-   The ranks then say "ready" through the store.
+4. **Decide** (:func:`cpuddp.backends.decide.decide_backend`), once, from that layout: the
+   backend every rank chose and agreed on through the store (a rank keeps its own choice; ranks
+   that disagree stop with an error naming them, so they never form mismatched groups), the
+   pinning plan for it (:mod:`cpuddp.affinity`), the settings to export and the group's
+   options: a frozen :class:`~cpuddp.backends.decide.BackendPlan`, which the steps below execute.
+5. **Export, load and pin**: the rank's and the backend's variables, the backend's module, then
+   the compute threads -- this thread and every thread that existed before init, OpenMP's
+   pool among them -- go to the rank's own cores.  The ranks then say "ready" through the store.
 6. **Form the group** with this thread temporarily allowed on every CPU the process was
    given, so the backend's communication threads (gloo's, oneCCL's, the store's) start
    there and are never re-pinned (oneCCL pins its workers itself, from
@@ -71,6 +73,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Optional
 
 from cpuddp.backends import forming
+from cpuddp.backends.decide import decide_backend
 from cpuddp.launchers import hosts, proof
 from cpuddp.launchers.env import DistEnv, Provenance
 from cpuddp.launchers.exports import DEFAULT_TIMEOUT, Exports, Timeout
@@ -89,7 +92,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from cpuddp.affinity.pin import PinState
     from cpuddp.affinity.plan import PinPlan
-    from cpuddp.backends.types import BackendChoice
+    from cpuddp.launchers.hosts import Layout
 
 __all__ = ["init_distributed", "shutdown", "get_env", "get_session", "Session", "session", "DEFAULT_TIMEOUT",
            "local_address"]
@@ -281,7 +284,7 @@ def _adopt(env: DistEnv, backend: str) -> Session:
 
 def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
           environ: MutableMapping[str, str], undo: _Undo) -> Session:
-    """Steps 2-6 of the module docstring: meet, gather, agree, plan and pin, form, check."""
+    """Steps 2-6 of the module docstring: meet, gather, decide, export, load and pin, form, check."""
     from cpuddp.affinity import pin as affinity
     from cpuddp.backends.registry import load_backend
 
@@ -290,13 +293,17 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
     store = _meet(env, td, environ, undo)
     step = f"cpuddp/init{undo.generation}"
     try:
-        env, local_cpus, smallest = _gather_layout(env, store, step, td)
-        choice = forming.agree_backend(backend, env, store, f"{step}/backend", td, environ, _node_cpus(local_cpus),
-                                       smallest)
-        plan = _plan(env, choice, pin, environ, local_cpus)
-        _export(env, choice, plan, environ, undo)
-        load_backend(choice)
-        _pin(plan, before, undo)
+        env, lay = _gather_layout(env, store, step, td)
+        plan = decide_backend(backend, env, lay, store, f"{step}/backend", td, environ, pin=pin)
+        # A plain `python` run (no launcher, world of 1) exports no rank variables: a framework reads
+        # LOCAL_RANK as "an outside launcher started me" (Lightning) and would not start its own ranks.
+        if env.launcher != "none":
+            undo.exports.export(environ, env.exported(), reason="describes this process to torch and child processes",
+                                strict=True)
+        undo.exports.export(os.environ, plan.env, reason="backend setting")  # before the backend loads them
+        load_backend(plan.choice)
+        if plan.pin_plan is not None:  # the compute threads: those that existed before init
+            undo.pin_state = affinity.apply_plan(plan.pin_plan, os.environ, threads=before)
         if store is not None:
             hosts.exchange(store, f"{step}/ready", env.rank, env.world_size, "ok", td, what="ready")
     except BaseException as exc:
@@ -306,13 +313,13 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
         raise
     with affinity.thread_affinity(wide):
         # the ranks on this node as proved at init: a shm group refuses a store that later hides one
-        forming.form_group(env, choice.name, store, td, forming.group_options(choice, plan, env.local_world_size))
-        forming.first_collective(env, choice.name)
+        forming.form_group(env, plan.name, store, td, plan.options)
+        forming.first_collective(env, plan.name)
         if store is not None:
             from cpuddp.watchdog import monitor as watchdog
 
             watchdog.start(env, undo.keep)
-    return Session(env, backend=choice.name, pin_plan=plan)
+    return Session(env, backend=plan.name, pin_plan=plan.pin_plan)
 
 
 def _meet(env: DistEnv, td: datetime.timedelta, environ: Mapping[str, str], undo: _Undo) -> Optional["Store"]:
@@ -324,57 +331,16 @@ def _meet(env: DistEnv, td: datetime.timedelta, environ: Mapping[str, str], undo
     return rdv.store
 
 
-def _node_cpus(local_cpus: Optional[tuple[frozenset[int], ...]]) -> Optional[int]:
-    """How many CPUs the ranks of this node may use between them (None: unknown)."""
-    if local_cpus:
-        return len(frozenset().union(*local_cpus))
-    return len(here.allowed_cpus()) or None
-
-
-def _plan(env: DistEnv, choice: "BackendChoice", pin: bool, environ: Mapping[str, str],
-          local_cpus: Optional[tuple[frozenset[int], ...]]) -> Optional["PinPlan"]:
-    """Step 5 begins: the pinning plan for this rank (None with ``pin=False``)."""
-    if not pin:
-        return None
-    from cpuddp.affinity import pin as affinity
-
-    return affinity.plan_for(env, backend=choice.name, environ=environ, local_cpus=local_cpus)
-
-
-def _export(env: DistEnv, choice: "BackendChoice", plan: Optional["PinPlan"], environ: MutableMapping[str, str],
-            undo: _Undo) -> None:
-    """Export the rank's variables (to ``environ``) and the backend's and the plan's (to
-    ``os.environ``), before the backend loads and reads them."""
-    from cpuddp.backends.settings import backend_env
-
-    # A plain `python` run (no launcher, world of 1) exports no rank variables: a framework reads
-    # LOCAL_RANK as "an outside launcher started me" (Lightning) and would not start its own ranks.
-    if env.launcher != "none":
-        undo.exports.export(environ, env.exported(), reason="describes this process to torch and child processes",
-                            strict=True)
-    undo.exports.export(os.environ, backend_env(env, choice, plan, os.environ), reason="backend setting")
-
-
-def _pin(plan: Optional["PinPlan"], before: frozenset[int], undo: _Undo) -> None:
-    """Pin the compute threads (``before``: those that existed before init) to ``plan``."""
-    if plan is None:
-        return
-    from cpuddp.affinity import pin as affinity
-
-    undo.pin_state = affinity.apply_plan(plan, os.environ, threads=before)
-
-
 _LAYOUT_SOURCE = Provenance.derived("hosts gathered at init")
 
 
 def _gather_layout(env: DistEnv, store: Optional["Store"], step: str,
-                   td: datetime.timedelta) -> tuple[DistEnv, Optional[tuple[frozenset[int], ...]], Optional[int]]:
+                   td: datetime.timedelta) -> tuple[DistEnv, Optional["Layout"]]:
     """Step 3: gather every rank's host and CPUs, and prove this host's records came from its
     ranks (:func:`cpuddp.launchers.proof.prove_node`); return ``env`` with the layout they show,
-    the allowed CPU sets of the ranks on this host (local-rank order; None for a world of 1) and
-    the fewest ranks any node runs (None for a world of 1)."""
+    and that layout (None for a world of 1): nothing is decided before the proof."""
     if store is None:
-        return env, None, None
+        return env, None
     mine = hosts.HostRecord.here(env.rank, env.local_rank, env.local_world_size)
     where = f"{env.master_addr}:{env.master_port}"
     records = hosts.gather_hosts(
@@ -383,7 +349,7 @@ def _gather_layout(env: DistEnv, store: Optional["Store"], step: str,
         f"rendezvous at {where}: start them (check the launcher's rank count and their logs), or fix the world size")
     proof.prove_node(store, f"{step}/proof", mine, records, env.world_size, td, errors=f"{step}/backend")
     lay = hosts.layout(records, env.rank)
-    return hosts.apply_layout(env, lay, _LAYOUT_SOURCE), lay.local_cpus, min(len(n) for n in lay.nodes)
+    return hosts.apply_layout(env, lay, _LAYOUT_SOURCE), lay
 
 
 def _size_var(env: DistEnv) -> str:

@@ -135,7 +135,7 @@ def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes(monkeypatch):
     import torch.distributed as dist
 
     from cpuddp.backends import registry as backends
-    from cpuddp.backends.forming import agree_backend
+    from cpuddp.backends.decide import agree_backend
 
     def pick(requested, env, **kw):
         return BackendChoice("shm", "auto: test", "cpuddp.shm", "auto", inter="ccl")

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from cpuddp.affinity import pin as affinity
 from cpuddp.launchers import hosts
-from cpuddp.backends.forming import agree_backend
+from cpuddp.backends.decide import agree_backend
 from cpuddp.launchers.env import DistEnv
 from cpuddp.errors import BackendError, RendezvousError
 from cpuddp.topology import synthetic_topology

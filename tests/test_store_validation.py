@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from cpuddp.launchers import hosts
 from cpuddp.launchers import store_values
-from cpuddp.backends.forming import agree_backend
+from cpuddp.backends.decide import agree_backend
 from cpuddp.launchers.env import DistEnv
 from cpuddp.errors import RendezvousError
 from cpuddp.launchers.rendezvous import JOB_KEY, _is_ours, _job_of, _join_job, job_key

@@ -13,33 +13,8 @@ imports torch, so they are plain imports (docs/code.md, "Lazy names").
 
 from __future__ import annotations
 
-from .pin import (
-    PinState,
-    apply_plan,
-    current_plan,
-    launcher_binding,
-    pinned,
-    plan_for,
-    restore,
-    thread_affinity,
-    thread_ids,
-)
-from .plan import KMP_AFFINITY, KMP_BLOCKTIME, WARNING_CODES, PinPlan, PinWarning, plan_pinning
+from . import pin, plan
+from .pin import *  # noqa: F401,F403  -- pin.__all__ and plan.__all__ are the one list of each
+from .plan import *  # noqa: F401,F403
 
-__all__ = [
-    "PinPlan",
-    "PinWarning",
-    "WARNING_CODES",
-    "PinState",
-    "plan_pinning",
-    "plan_for",
-    "apply_plan",
-    "restore",
-    "pinned",
-    "current_plan",
-    "thread_affinity",
-    "thread_ids",
-    "launcher_binding",
-    "KMP_AFFINITY",
-    "KMP_BLOCKTIME",
-]
+__all__ = [*plan.__all__, *pin.__all__]

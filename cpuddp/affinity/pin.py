@@ -80,6 +80,8 @@ from .plan import PinPlan, plan_pinning
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
 
+#: What ``cpuddp.affinity`` hands on from here (its ``__init__`` reads this list; ``set_affinity``
+#: is for train's loader workers, not the public door).
 __all__ = [
     "PinState",
     "plan_for",
@@ -89,7 +91,6 @@ __all__ = [
     "current_plan",
     "thread_affinity",
     "thread_ids",
-    "set_affinity",
     "launcher_binding",
 ]
 

@@ -281,7 +281,7 @@ def resolve_backend(
     ``node_cpus``: the CPUs this node's ranks may use together (known at init, from the hosts
     gathered); "auto" takes the shared-memory backend only when they do not outnumber them.
     ``smallest_node``: the fewest ranks any node runs (known at init); "auto" takes shm only when
-    every node runs 2+, so the ranks of an uneven job agree (:mod:`cpuddp.backends.forming`).
+    every node runs 2+, so the ranks of an uneven job agree (:mod:`cpuddp.backends.decide`).
     ``probe_torch=False`` (``cpuddp doctor`` without ``--torch``): gloo is taken as built in
     rather than checked by importing torch; the rule is the same (:mod:`cpuddp.backends.auto`).
 

@@ -1,4 +1,4 @@
-"""The launcher reader interface, and one reader per built-in launcher family.
+"""The launcher reader interface, and the reading every built-in reader shares.
 
 A reader says whether its launcher's variables are present (:meth:`LauncherReader.detect`)
 and reads them into a :class:`PartialEnv` (:meth:`LauncherReader.read`): what the launcher
@@ -9,24 +9,23 @@ checks, rendezvous address and port), so a site reader added with
 :func:`cpuddp.launchers.register_launcher` gets the same checks as the built-ins.
 
 :class:`Variables` parses integers out of the mapping with errors in one voice: the
-variable, its value, the launcher and the fix.  The order of the built-ins, and why, is in
-:mod:`cpuddp.launchers`.
+variable, its value, the launcher and the fix; :meth:`Variables.world` reads the rank and the
+world size every launcher gives, and :class:`WorldReader` is a whole reader for a launcher
+that sets a rank and a size variable (the MPI families).  Each built-in launcher's reader is a
+module of its own beside this one (``read_<launcher>.py``); the registry
+(:mod:`cpuddp.launchers.registry`) lists them, in their order, and says why that order.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Union
 
 from cpuddp.errors import LauncherEnvError
 
 from .env import Provenance
-from .parsers import expand_nodelist, expand_tasks_per_node, is_loopback
 
-log = logging.getLogger("cpuddp")
-
-__all__ = ["LauncherReader", "PartialEnv", "Variables", "BUILTIN_READERS"]
+__all__ = ["LauncherReader", "PartialEnv", "Variables", "WorldReader"]
 
 
 @dataclass
@@ -110,6 +109,20 @@ class Variables:
             self.sources[into] = var
         return value
 
+    def world(self, rank: str, *sizes: str, fix: Optional[str] = None, size_fix: Optional[str] = None,
+              job: tuple[str, ...] = ()) -> PartialEnv:
+        """What every launcher says first: the rank (``rank``), the world size (the first of
+        ``sizes`` that is set; ``size_fix`` or ``fix`` when it is wrong), each recorded in
+        :attr:`sources`, and the job id (the first of ``job``, as :meth:`job_id` words it).
+        The reader reads the rest into the :class:`PartialEnv` returned, whose ``sources`` is
+        :attr:`sources`."""
+        return PartialEnv(
+            rank=self.int(rank, fix=fix, into="rank"),
+            world_size=self.int(*sizes, minimum=1, fix=size_fix or fix, into="world_size"),
+            job_id=self.job_id(*job),
+            sources=self.sources,
+        )
+
     def local(self, out: PartialEnv, rank_vars: tuple[str, ...], size_vars: tuple[str, ...]) -> None:
         """Read the local rank and size into ``out`` from the first of each set that is present."""
         rank_var, size_var = self.first(*rank_vars), self.first(*size_vars)
@@ -166,312 +179,28 @@ class LauncherReader:
         return Variables(environ, self.description or type(self).__name__)
 
 
-# --------------------------------------------------------------------------- the built-ins
+class WorldReader(LauncherReader):
+    """A launcher that names the rank and the world size in a variable each, and the local
+    rank and size in others (the MPI families): a reader is its variables.
 
+    ``size_variable``: the world size; ``job_variables``: the job id's (the first set);
+    ``local_variables``: the local rank's and the local size's, each the first set of its
+    tuple; ``fix``: what to do when a value is missing or wrong (``size_fix`` for the size,
+    when it differs).  :meth:`detect` is true when the rank or the size is set.
+    """
 
-class TorchrunReader(LauncherReader):
-    description = "torchrun / TorchElastic"
-    rank_variable = "RANK"
+    size_variable: str = ""
+    job_variables: tuple[str, ...] = ()
+    local_variables: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    fix: Optional[str] = None
+    size_fix: Optional[str] = None
 
     def detect(self, environ: Mapping[str, str]) -> bool:
-        return self.variables(environ).has("TORCHELASTIC_RUN_ID", "GROUP_RANK")
+        return self.variables(environ).has(str(self.rank_variable), self.size_variable)
 
     def read(self, environ: Mapping[str, str]) -> PartialEnv:
         v = self.variables(environ)
-        fix = "run the script with torchrun (it sets RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* for each worker)"
-        out = PartialEnv(
-            rank=v.int("RANK", fix=fix, into="rank"),
-            world_size=v.int("WORLD_SIZE", minimum=1, fix=fix, into="world_size"),
-            local_rank=v.int("LOCAL_RANK", fix=fix, into="local_rank"),
-            local_world_size=v.maybe_int("LOCAL_WORLD_SIZE", minimum=1, into="local_world_size"),
-            node_rank=v.maybe_int("GROUP_RANK", into="node_rank"),
-            num_nodes=v.maybe_int("GROUP_WORLD_SIZE", minimum=1),
-            job_id=environ.get("TORCHELASTIC_RUN_ID") or None,
-            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-            sources=v.sources,
-        )
-        for var in ("MASTER_ADDR", "MASTER_PORT") if out.agent_store else ():
-            if not v.has(var):
-                raise LauncherEnvError(
-                    "torchrun's agent hosts the rendezvous store but did not say where",
-                    variable=var,
-                    value=None,
-                    launcher=v.launcher,
-                    fix="launch with torchrun, which sets MASTER_ADDR and MASTER_PORT itself",
-                )
+        out = v.world(str(self.rank_variable), self.size_variable, fix=self.fix, size_fix=self.size_fix,
+                      job=self.job_variables)
+        v.local(out, *self.local_variables)
         return out
-
-
-def slurm_pmi(environ: Mapping[str, str]) -> bool:
-    """True when the PMI_* variables are Slurm's own (``srun --mpi=pmi2`` sets PMI_RANK, PMI_SIZE,
-    PMI_FD and PMI_JOBID=<job>.<step>): Slurm launched this task and its reader describes it
-    fully (node list, tasks per node), where Hydra's would lack the local size."""
-    job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
-    step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
-    return bool(job and step) and environ.get("PMI_JOBID", "").strip() == f"{job}.{step}"
-
-
-class HydraReader(LauncherReader):
-    description = "Intel MPI / MPICH (Hydra)"
-    rank_variable = "PMI_RANK"
-
-    def detect(self, environ: Mapping[str, str]) -> bool:
-        return self.variables(environ).has("PMI_RANK", "PMI_SIZE") and not slurm_pmi(environ)
-
-    def read(self, environ: Mapping[str, str]) -> PartialEnv:
-        v = self.variables(environ)
-        fix = "launch with Intel MPI or MPICH `mpiexec -n N python ...`, which sets PMI_RANK and PMI_SIZE"
-        out = PartialEnv(
-            rank=v.int("PMI_RANK", fix=fix, into="rank"),
-            world_size=v.int("PMI_SIZE", minimum=1, fix=fix, into="world_size"),
-            job_id=v.job_id("I_MPI_HYDRA_UUID", "PMIX_NAMESPACE"),
-            sources=v.sources,
-        )
-        # Older Hydra and PMI-2 launchers (srun --mpi=pmi2) give no local rank of their own.
-        v.local(out, ("MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK"), ("MPI_LOCALNRANKS", "LOCAL_WORLD_SIZE"))
-        return out
-
-
-class PmixReader(LauncherReader):
-    description = "PMIx"
-    rank_variable = "PMIX_RANK"
-    shared_rank_variable = True
-
-    def detect(self, environ: Mapping[str, str]) -> bool:
-        v = self.variables(environ)
-        return v.has("PMIX_RANK") and not v.has("OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
-
-    def read(self, environ: Mapping[str, str]) -> PartialEnv:
-        v = self.variables(environ)
-        rank = v.int("PMIX_RANK", into="rank")
-        world = v.int(
-            "WORLD_SIZE",
-            minimum=1,
-            fix="PMIx keeps the job size behind its API: export WORLD_SIZE (and LOCAL_RANK, LOCAL_WORLD_SIZE), "
-            "or launch with Open MPI mpirun / srun, which set the sizes",
-            into="world_size",
-        )
-        out = PartialEnv(rank=rank, world_size=world, job_id=v.job_id("PMIX_NAMESPACE"), sources=v.sources)
-        v.local(out, ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",))
-        return out
-
-
-class OpenMPIReader(LauncherReader):
-    description = "Open MPI"
-    rank_variable = "OMPI_COMM_WORLD_RANK"
-
-    def detect(self, environ: Mapping[str, str]) -> bool:
-        return self.variables(environ).has("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
-
-    def read(self, environ: Mapping[str, str]) -> PartialEnv:
-        v = self.variables(environ)
-        fix = "launch with Open MPI `mpirun -n N python ...`, which sets OMPI_COMM_WORLD_RANK and _SIZE"
-        out = PartialEnv(
-            rank=v.int("OMPI_COMM_WORLD_RANK", fix=fix, into="rank"),
-            world_size=v.int("OMPI_COMM_WORLD_SIZE", minimum=1, fix=fix, into="world_size"),
-            job_id=v.job_id("PMIX_NAMESPACE", "OMPI_MCA_orte_ess_jobid", "OMPI_MCA_ess_base_jobid"),
-            sources=v.sources,
-        )
-        v.local(out, ("OMPI_COMM_WORLD_LOCAL_RANK",), ("OMPI_COMM_WORLD_LOCAL_SIZE",))
-        # OMPI_COMM_WORLD_NODE_RANK is this process's rank among all processes on the node (across
-        # jobs), not the node index: validate it, never use it as node_rank.
-        v.maybe_int("OMPI_COMM_WORLD_NODE_RANK")
-        return out
-
-
-class MvapichReader(LauncherReader):
-    description = "MVAPICH2"
-    rank_variable = "MV2_COMM_WORLD_RANK"
-
-    def detect(self, environ: Mapping[str, str]) -> bool:
-        return self.variables(environ).has("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE")
-
-    def read(self, environ: Mapping[str, str]) -> PartialEnv:
-        v = self.variables(environ)
-        fix = "launch with MVAPICH2 `mpirun_rsh`/`mpiexec`, which sets MV2_COMM_WORLD_RANK and _SIZE"
-        out = PartialEnv(
-            rank=v.int("MV2_COMM_WORLD_RANK", fix=fix, into="rank"),
-            world_size=v.int("MV2_COMM_WORLD_SIZE", minimum=1, fix=fix, into="world_size"),
-            job_id=v.job_id("MPIRUN_ID"),
-            sources=v.sources,
-        )
-        v.local(out, ("MV2_COMM_WORLD_LOCAL_RANK",), ("MV2_COMM_WORLD_LOCAL_SIZE",))
-        return out
-
-
-class SlurmReader(LauncherReader):
-    """Slurm's ``srun`` tasks; a batch script (no ``SLURM_STEP_ID``) is a single process."""
-
-    description = "Slurm srun"
-
-    def detect(self, environ: Mapping[str, str]) -> bool:
-        v = self.variables(environ)
-        # Without a step id this is a batch script or salloc shell: the SLURM_* variables describe
-        # the allocation, and this process was not started as one of N tasks (a single process).
-        return v.has("SLURM_PROCID") and v.has("SLURM_STEP_ID", "SLURM_STEPID")
-
-    def declined(self, environ: Mapping[str, str]) -> None:
-        v = self.variables(environ)
-        if v.has("SLURM_PROCID") and not v.has("SLURM_STEP_ID", "SLURM_STEPID"):
-            _log_batch_shell(environ)
-
-    def read(self, environ: Mapping[str, str]) -> PartialEnv:
-        v = self.variables(environ)
-        fix = "launch the tasks with `srun` (it sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODEID)"
-        out = PartialEnv(
-            rank=v.int("SLURM_PROCID", fix=fix, into="rank"),
-            world_size=v.int("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS", minimum=1, fix=fix,
-                             into="world_size"),
-            local_rank=v.int("SLURM_LOCALID", fix=fix, into="local_rank"),
-            node_rank=v.int("SLURM_NODEID", fix=fix, into="node_rank"),
-            num_nodes=v.maybe_int("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES", minimum=1),
-            sources=v.sources,
-        )
-        job = environ.get("SLURM_JOB_ID") or environ.get("SLURM_JOBID")
-        step = environ.get("SLURM_STEP_ID") or environ.get("SLURM_STEPID")
-        out.job_id = f"slurm:{job}.{step}" if job else None
-        _slurm_local_size(v, out)
-        _slurm_hosts(v, out)
-        return out
-
-    def no_master_addr(self) -> Optional[LauncherEnvError]:
-        return LauncherEnvError(
-            "this multi-node Slurm step has no node list to take rank 0's host from",
-            variable="SLURM_STEP_NODELIST",
-            value=None,
-            launcher=self.description,
-            fix="launch with srun (it sets SLURM_STEP_NODELIST), or export MASTER_ADDR=<rank 0's host>",
-        )
-
-
-def _slurm_local_size(v: Variables, out: PartialEnv) -> None:
-    """Tasks on this node: ``SLURM_STEP_TASKS_PER_NODE`` (``2(x3),1``) at ``SLURM_NODEID``."""
-    tpn_var = v.first("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
-    if tpn_var is not None:
-        try:
-            per_node = expand_tasks_per_node(v.environ[tpn_var])
-        except ValueError as exc:
-            raise v.error(str(exc), tpn_var, "it should look like `2(x3),1`; launch with srun") from None
-        if out.num_nodes is None:
-            out.num_nodes = len(per_node)
-        if out.node_rank is not None and out.node_rank >= len(per_node):
-            raise v.error(
-                f"SLURM_NODEID={out.node_rank} but {tpn_var} lists only {len(per_node)} nodes",
-                "SLURM_NODEID",
-                "launch with srun, which keeps these consistent",
-            )
-        out.local_world_size = per_node[out.node_rank or 0]
-        out.sources["local_world_size"] = Provenance.derived(f"{tpn_var}[SLURM_NODEID]")
-    elif v.has("SLURM_NTASKS_PER_NODE"):
-        out.local_world_size = v.int("SLURM_NTASKS_PER_NODE", minimum=1, into="local_world_size")
-    elif out.num_nodes == 1:
-        out.local_world_size = out.world_size
-        out.sources["local_world_size"] = Provenance.derived("one node")
-
-
-def _slurm_hosts(v: Variables, out: PartialEnv) -> None:
-    """The step's hosts, from the expanded node list (``node[01-04,07]``)."""
-    list_var = v.first("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
-    if list_var is None:
-        return
-    try:
-        out.hosts = expand_nodelist(v.environ[list_var])
-    except ValueError as exc:
-        raise v.error(
-            f"cannot parse the Slurm node list: {exc}",
-            list_var,
-            "it should look like `node[01-04,07],gpu-a[1-2]`; launch with srun, or export MASTER_ADDR",
-        ) from None
-    out.sources["hosts"] = list_var
-    if out.num_nodes is None:
-        out.num_nodes = len(out.hosts)
-
-
-def _log_batch_shell(environ: Mapping[str, str]) -> None:
-    """Say why an sbatch script's ``python train.py`` (SLURM_PROCID=0, SLURM_NTASKS=N, no step)
-    is a world of one: a warning when the job has more tasks, which the user probably meant."""
-    ntasks = environ.get("SLURM_NTASKS", "").strip()
-    level = logging.WARNING if ntasks.isdigit() and int(ntasks) > 1 else logging.DEBUG
-    log.log(
-        level,
-        "cpuddp: SLURM_PROCID is set but SLURM_STEP_ID is not: this is an sbatch script or salloc shell, "
-        "not an srun task, so it runs as a single process (world 1, not SLURM_NTASKS=%s); "
-        "start the ranks with `srun python ...`",
-        ntasks or "unset",
-    )
-
-
-class PlainEnvReader(LauncherReader):
-    """``RANK``/``WORLD_SIZE`` as Kubeflow's PyTorchJob (or a user) exports them."""
-
-    description = "RANK/WORLD_SIZE (Kubeflow or exported by hand)"
-    rank_variable = "RANK"
-
-    def detect(self, environ: Mapping[str, str]) -> bool:
-        return self.variables(environ).has("RANK", "WORLD_SIZE")
-
-    def read(self, environ: Mapping[str, str]) -> PartialEnv:
-        v = self.variables(environ)
-        if not v.has("RANK") and v.has("LOCAL_RANK"):
-            raise _framework_child(environ)
-        fix = "export both RANK and WORLD_SIZE (as Kubeflow PyTorchJob does), or launch with torchrun or mpiexec"
-        out = PartialEnv(
-            rank=v.int("RANK", fix=fix, into="rank"),
-            world_size=v.int("WORLD_SIZE", minimum=1, fix=fix, into="world_size"),
-            node_rank=v.maybe_int("NODE_RANK", "GROUP_RANK", into="node_rank"),
-            # A torchrun-like agent (cpuddp.testing) may host the store for every rank.
-            agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
-            sources=v.sources,
-        )
-        self._local(v, out)
-        return out
-
-    @staticmethod
-    def _local(v: Variables, out: PartialEnv) -> None:
-        if v.has("LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-            v.local(out, ("LOCAL_RANK",), ("LOCAL_WORLD_SIZE",))
-        elif is_loopback(v.environ.get("MASTER_ADDR", "")):
-            # Rank 0 on loopback is reachable from this host only: every rank is here.
-            out.local_rank, out.local_world_size = out.rank, out.world_size
-            how = Provenance.derived("MASTER_ADDR is loopback")
-            out.sources.update(local_rank=how, local_world_size=how)
-        elif v.has("MASTER_ADDR"):
-            # Kubeflow PyTorchJob without torchrun: one process per pod.
-            out.local_rank, out.local_world_size = 0, 1
-            how = Provenance.derived("one process per host")
-            out.sources.update(local_rank=how, local_world_size=how)
-        elif out.world_size > 1:
-            raise LauncherEnvError(
-                "RANK and WORLD_SIZE are set, but neither MASTER_ADDR nor LOCAL_WORLD_SIZE says where rank 0 runs",
-                variable="MASTER_ADDR",
-                value=None,
-                launcher=v.launcher,
-                fix="export MASTER_ADDR=<rank 0's host> (127.0.0.1 when every rank runs on this machine)",
-            )
-
-
-def _framework_child(environ: Mapping[str, str]) -> LauncherEnvError:
-    """``WORLD_SIZE`` and ``LOCAL_RANK`` without ``RANK``: how Lightning's ``devices=N``
-    self-launch starts its extra ranks.  A script that calls ``init_distributed()`` before
-    ``Trainer``/``Fabric`` would otherwise form a group Lightning does not know about."""
-    return LauncherEnvError(
-        f"WORLD_SIZE={environ.get('WORLD_SIZE')} and LOCAL_RANK={environ.get('LOCAL_RANK')} are set but RANK is not: "
-        "a framework started this process (Lightning's devices=N self-launch does exactly this) after "
-        "cpuddp.init_distributed() ran in its parent",
-        variable="RANK", value=None, launcher="a framework's own launch (Lightning devices=N?)",
-        fix="with Lightning/Fabric do not call cpuddp.init_distributed() before Trainer/Fabric in a plain `python` "
-        "run: pass strategy=cpuddp.lightning.trainer_strategy() (Fabric: fabric_strategy()), which forms cpuddp's "
-        "group in every rank Lightning starts; or start the ranks with torchrun --nproc-per-node N / mpiexec -n N",
-    )
-
-
-#: The built-in readers, in the order :mod:`cpuddp.launchers` registers them.
-BUILTIN_READERS: tuple[tuple[str, LauncherReader], ...] = (
-    ("torchrun", TorchrunReader()),
-    ("hydra", HydraReader()),
-    ("pmix", PmixReader()),
-    ("openmpi", OpenMPIReader()),
-    ("mvapich", MvapichReader()),
-    ("slurm", SlurmReader()),
-    ("env", PlainEnvReader()),
-)

@@ -2,8 +2,9 @@
 
 The launchers' readers are tried in one documented order; the first whose variables are
 present describes the process.  Each reader is a small :class:`LauncherReader` (the
-built-ins are in :mod:`cpuddp.launchers.readers`); a site adds its own scheduler with
-:func:`register_launcher` (see docs/launchers.md).
+interface and the reading they share are in :mod:`cpuddp.launchers.readers`, each built-in
+in a module of its own, ``read_<launcher>.py``, listed here in :data:`BUILTIN_READERS`); a
+site adds its own scheduler with :func:`register_launcher` (see docs/launchers.md).
 
 =====  =========================  ==============================================================
 order  family (``DistEnv.launcher``)  variables read
@@ -59,7 +60,14 @@ from cpuddp.errors import LauncherEnvError
 
 from .env import DEFAULT_PORT, DistEnv, Provenance
 from .parsers import derive_port
-from .readers import BUILTIN_READERS, LauncherReader, PartialEnv
+from .read_env import PlainEnvReader
+from .read_hydra import HydraReader
+from .read_mvapich import MvapichReader
+from .read_openmpi import OpenMPIReader
+from .read_pmix import PmixReader
+from .read_slurm import SlurmReader
+from .read_torchrun import TorchrunReader
+from .readers import LauncherReader, PartialEnv
 
 log = logging.getLogger("cpuddp")
 
@@ -169,6 +177,16 @@ def registered_launchers() -> tuple[tuple[str, LauncherReader], ...]:
         return tuple(_READERS.items())
 
 
+#: The built-in readers, in the order of the table above: the one place that lists them.
+BUILTIN_READERS: tuple[tuple[str, LauncherReader], ...] = (
+    ("torchrun", TorchrunReader()),
+    ("hydra", HydraReader()),
+    ("pmix", PmixReader()),
+    ("openmpi", OpenMPIReader()),
+    ("mvapich", MvapichReader()),
+    ("slurm", SlurmReader()),
+    ("env", PlainEnvReader()),
+)
 for _name, _reader in BUILTIN_READERS:
     register_launcher(_name, _reader, before=None)
 del _name, _reader

@@ -1,0 +1,74 @@
+"""The backend decision in one pass (cpuddp.backends.decide): the requested backend and the proven
+layout in, a frozen BackendPlan out; ranks that disagree stop before anything is planned."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import pytest
+import torch.distributed as dist
+
+from cpuddp.backends import decide
+from cpuddp.backends import registry as backends
+from cpuddp.backends.shm.api import ShmOptions
+from cpuddp.backends.types import BackendChoice
+from cpuddp.errors import BackendError
+from cpuddp.launchers.env import DistEnv
+from cpuddp.launchers.hosts import Layout
+
+TD = datetime.timedelta(seconds=5)
+#: 4 ranks on 2 nodes, this rank the first of the first node.
+LAYOUT = Layout(rank=0, local_rank=0, local_world_size=2, node_rank=0, nodes=((0, 1), (2, 3)),
+                local_cpus=(frozenset({0}), frozenset({1})))
+ENV = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=2, num_nodes=2, master_addr="127.0.0.1")
+
+
+def _shm_everywhere(monkeypatch, facts: dict) -> None:
+    def pick(requested, env, **kw):
+        facts.update(kw)
+        return BackendChoice("shm", "auto: test", "cpuddp.shm", "auto", inter="ccl")
+
+    monkeypatch.setattr(backends, "resolve_backend", pick)
+
+
+def test_a_world_of_one_gets_a_frozen_plan_with_its_settings(monkeypatch):
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    plan = decide.decide_backend("gloo", DistEnv(), None, None, "b", TD, {}, pin=False)
+    assert (plan.name, plan.choice.inter, plan.pin_plan, plan.options) == ("gloo", None, None, None)
+    assert plan.env == {"GLOO_SOCKET_IFNAME": "lo"}  # one node on loopback
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.options = object()  # type: ignore[misc]
+
+
+def test_shm_agreed_by_every_rank_carries_its_leg_and_the_proven_layout(monkeypatch):
+    facts: dict = {}
+    _shm_everywhere(monkeypatch, facts)
+    store = dist.HashStore()
+    for r in (1, 2, 3):
+        store.set(f"b/{r}", "shm")
+        store.set(f"b/inter/{r}", "ccl")
+    plan = decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=False)
+    assert (facts["node_cpus"], facts["smallest_node"]) == (2, 2)  # the proven layout's, not the launcher's
+    assert plan.options == ShmOptions(inter="ccl", async_comm=False, local_size=2)
+    store = dist.HashStore()
+    for r in (1, 2, 3):
+        store.set(f"c/{r}", "shm")
+        store.set(f"c/inter/{r}", "gloo" if r == 3 else "ccl")  # rank 3's node has no working bindings
+    plan = decide.decide_backend("auto", ENV, LAYOUT, store, "c", TD, {}, pin=False)
+    assert plan.choice.inter == plan.options.inter == "gloo" and "gloo after all" in plan.choice.reason
+
+
+def test_ranks_that_disagree_stop_before_anything_is_planned(monkeypatch):
+    _shm_everywhere(monkeypatch, {})
+
+    def no_plan(*a, **k):
+        raise AssertionError("a pinning plan was made for a backend the ranks did not agree on")
+
+    monkeypatch.setattr(decide, "plan_for", no_plan)
+    store = dist.HashStore()
+    for r in (1, 2, 3):
+        store.set(f"b/{r}", "gloo" if r == 2 else "shm")
+    with pytest.raises(BackendError, match=r"rank 0: the ranks' backend choices differ: rank 0: shm, rank 2: gloo; "
+                       r"1 rank\(s\) differ from this rank's 'shm'"):
+        decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=True)
