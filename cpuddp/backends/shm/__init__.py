@@ -2,7 +2,7 @@
 
 Owns: whether it can run here and the segment's layout, pure and light (:mod:`.check`); the
 group's options and lifecycle hooks, without torch (:mod:`.api`); which ranks share the node
-(:mod:`.node`); the node's segment (:mod:`.segment`) and its hand-over from local rank 0
+(:mod:`.node`) and the plan over its NUMA nodes (:mod:`.numa_plan`); the node's segment (:mod:`.segment`) and its hand-over from local rank 0
 (:mod:`.handover`); the per-call agreement (:mod:`.agree`); waiting for the node's peers
 (:mod:`.wait`); the node-local data path (:mod:`.local`) and the leg across nodes
 (:mod:`.cross`); where collectives run (:mod:`.stream`); argument forms and size checks
