@@ -1,9 +1,16 @@
 """The node's shared segment for the shm group: made, checked, mapped, held.
 
 * :func:`create_segment` (local rank 0): an anonymous ``memfd`` -- no name in any directory, so
-  nothing another user can pre-create, substitute or find left over -- owner-only (0600),
-  reserved with ``posix_fallocate`` (too little memory is a clear error now, never a SIGBUS
-  later), its header written (magic, a random token, size, slot).
+  nothing another user can pre-create, substitute or find left over -- owner-only (0600), sized,
+  its header, control lines and rings reserved with ``posix_fallocate`` (too little memory is a
+  clear error now, never a SIGBUS later), its header written (magic, a random token, size, slot).
+* Placement: each rank reserves its own two slots (``posix_fallocate`` of their ranges) when it
+  maps the segment, before it says it is ready, and nothing maps pages ahead (no
+  ``MAP_POPULATE``).  The kernel allocates a shared-memory page under the memory policy of the
+  process that allocates it -- by default on the NUMA node of the CPU it runs on -- so each slot
+  lives in its writer's NUMA node (``numactl --membind``/``--preferred`` of a launcher still
+  apply).  A rank reads a peer's slot only in a round after the peer wrote it.
+  :mod:`cpuddp.backends.shm.placement` says where the pages are.
 * :func:`check_received` (the other local ranks): the descriptor handed over
   (:mod:`cpuddp.backends.shm.handover`) is a regular file of this uid, mode 0600, of the size
   the layout needs, with this group's header.  Nothing is mapped because a store value says so.
@@ -64,9 +71,11 @@ class Segment:
 
     def __init__(self, fd: int, local_rank: int, local_size: int, slot: int) -> None:
         counters, slots, total = shm_check.layout(local_size, slot)
-        self.fd, self.total, self.slot = fd, total, slot
+        self.fd, self.total, self.slot, self.slots_at = fd, total, slot, slots
         self.size, self.local_rank = local_size, local_rank
-        self.mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        for at, length in self.own_slots(local_rank):  # first touch: on this rank's NUMA node
+            _reserve(fd, at, length, f"local rank {local_rank}'s slots")
+        self.mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED)
         if hasattr(mmap, "MADV_DONTFORK"):
             self.mm.madvise(mmap.MADV_DONTFORK)
         self.words = (ctypes.c_int64 * 8).from_buffer(self.mm, 0)
@@ -90,6 +99,15 @@ class Segment:
         self.forked = False
         self.lock_fd = -1  # the liveness lock's own open file description (hold_liveness)
         close_in_forked_child(self)
+
+    def own_slots(self, local_rank: int) -> List[Tuple[int, int]]:
+        """``(offset, length)`` in the segment of ``local_rank``'s slot in each buffer (parity)."""
+        return [(self.slots_at + (p * self.size + local_rank) * self.slot, self.slot) for p in (0, 1)]
+
+    def address(self, offset: int) -> int:
+        """This process's address of byte ``offset`` of the slots area (``offset`` from the
+        segment's start)."""
+        return self.raw.data_ptr() + offset - self.slots_at
 
     def hold_liveness(self) -> None:
         """Lock this rank's byte past the end through a descriptor of its own: held until this
@@ -144,23 +162,29 @@ class Segment:
 
 
 
-def _reserve(fd: int, total: int, local_size: int) -> None:
+def _reserve(fd: int, offset: int, length: int, what: str, *, size_only: bool = False) -> None:
+    """Allocate bytes ``offset:offset + length`` of the segment now (on this process's NUMA node);
+    ``size_only``: give the segment that size, allocating nothing."""
     try:
-        os.posix_fallocate(fd, 0, total)
+        if size_only:
+            os.ftruncate(fd, length)
+        else:
+            os.posix_fallocate(fd, offset, length)
     except OSError as exc:
         from cpuddp._units import format_size
 
-        raise BackendError(f"cannot reserve {format_size(total)} of shared memory for {local_size} local ranks: "
-                           f"{exc.strerror}", fix=FIX) from exc
+        raise BackendError(f"cannot reserve {format_size(length)} of shared memory for {what}: {exc.strerror}",
+                           fix=FIX) from exc
 
 
 def create_segment(local_size: int, slot: int) -> Tuple[int, int]:
     """Local rank 0: a new, reserved, owner-only memfd with its header written; ``(fd, token)``."""
-    total = shm_check.layout(local_size, slot)[2]
+    _counters, slots, total = shm_check.layout(local_size, slot)
     fd = os.memfd_create("cpuddp-shm", getattr(os, "MFD_CLOEXEC", 1))
     try:
         os.fchmod(fd, 0o600)
-        _reserve(fd, total, local_size)
+        _reserve(fd, 0, total, f"{local_size} local ranks", size_only=True)  # the slots: each rank's (Segment)
+        _reserve(fd, 0, slots, f"the control lines of {local_size} local ranks")
         token = secrets.randbits(62) + 1
         with mmap.mmap(fd, shm_check.PAGE) as head:
             words = (ctypes.c_int64 * 8).from_buffer(head, 0)
