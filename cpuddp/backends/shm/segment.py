@@ -5,11 +5,13 @@
   its header, control lines and rings reserved with ``posix_fallocate`` (too little memory is a
   clear error now, never a SIGBUS later), its header written (magic, a random token, size, slot).
 * Placement: each rank reserves its own two slots (``posix_fallocate`` of their ranges) when it
-  maps the segment, before it says it is ready, and nothing maps pages ahead (no
-  ``MAP_POPULATE``).  The kernel allocates a shared-memory page under the memory policy of the
-  process that allocates it -- by default on the NUMA node of the CPU it runs on -- so each slot
-  lives in its writer's NUMA node (``numactl --membind``/``--preferred`` of a launcher still
-  apply).  A rank reads a peer's slot only in a round after the peer wrote it.
+  maps the segment, before it says it is ready; nothing maps the whole segment ahead (no
+  ``MAP_POPULATE``, which would allocate every hole in the mapping process).  The kernel
+  allocates a shared-memory page under the memory policy of the process that allocates it --
+  by default on the NUMA node of the CPU it runs on, and ``numactl --membind``/``--preferred``
+  still apply -- so each slot lives in its writer's NUMA node.  A rank maps its own slots and
+  the control lines ahead (``MADV_POPULATE_WRITE``); a peer's slot is mapped at its first read,
+  which comes only in a round after the peer wrote it.
   :mod:`cpuddp.backends.shm.placement` says where the pages are.
 * :func:`check_received` (the other local ranks): the descriptor handed over
   (:mod:`cpuddp.backends.shm.handover`) is a regular file of this uid, mode 0600, of the size
@@ -78,6 +80,8 @@ class Segment:
         self.mm = mmap.mmap(fd, total, flags=mmap.MAP_SHARED)
         if hasattr(mmap, "MADV_DONTFORK"):
             self.mm.madvise(mmap.MADV_DONTFORK)
+        for at, length in [(0, slots), *self.own_slots(local_rank)]:  # allocated: map them ahead
+            _populate(self.mm, at, length)
         self.words = (ctypes.c_int64 * 8).from_buffer(self.mm, 0)
         self.lines = [(ctypes.c_int64 * 4).from_buffer(self.mm, counters + i * shm_check.COUNTER_STRIDE)
                       for i in range(local_size)]
@@ -160,6 +164,18 @@ class Segment:
         self.forked = True
         self.close()
 
+
+
+#: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14): map allocated pages ahead, as MAP_POPULATE did
+#: for the whole segment (a peer's slot is mapped at its first read, by the kernel's fault-around).
+_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+
+
+def _populate(mm: mmap.mmap, offset: int, length: int) -> None:
+    try:
+        mm.madvise(_POPULATE_WRITE, offset, length)
+    except (OSError, ValueError):  # an older kernel: the pages are mapped at first use instead
+        pass
 
 
 def _reserve(fd: int, offset: int, length: int, what: str, *, size_only: bool = False) -> None:
