@@ -107,3 +107,133 @@ def test_numactl_membind_is_honoured():
     if out.stdout.strip() == "None":
         pytest.skip("move_pages(2) is unavailable here")
     assert out.stdout.strip() == f"{{{node}: 8}}", out.stdout
+
+
+# --------------------------------------------------------------------------- the two-level all_reduce
+
+NUMELS = (1, 37, 5000, 70001)  # 70001 floats: several rounds of a 64 KiB slot, uneven parts
+
+
+def _inputs(rank: int, numel: int, dtype):
+    import torch
+
+    g = torch.Generator().manual_seed(1000 * rank + numel)
+    if dtype.is_floating_point:
+        return (torch.randn(numel, generator=g) * 10 ** (rank % 3)).to(dtype)
+    return torch.randint(-50, 50, (numel,), generator=g).to(dtype)
+
+
+def _all_reduces():
+    """In a rank: each case's all_reduce, twice (the same bits both times), and what ran."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    pg = dist.distributed_c10d._get_default_group()
+    out = {"two_level": pg._eng.levels is not None, "reason": pg.reason, "digests": {}, "values": {}}
+    cases = [(torch.float32, dist.ReduceOp.SUM), (torch.float64, dist.ReduceOp.SUM), (torch.int64, dist.ReduceOp.SUM),
+             (torch.float32, dist.ReduceOp.MAX), (torch.int32, dist.ReduceOp.PRODUCT), (torch.float32, dist.ReduceOp.AVG)]
+    for dtype, op in cases:
+        for numel in NUMELS:
+            key = f"{dtype}/{op}/{numel}"
+            got = []
+            for _ in range(2):
+                t = _inputs(rank, numel, dtype)
+                if op == dist.ReduceOp.PRODUCT:
+                    t = t.remainder(3) + 1
+                dist.all_reduce(t, op=op)
+                got.append(hashlib.sha256(t.numpy().tobytes()).hexdigest())
+            out["digests"][key] = got
+            out["values"][key] = t.tolist() if numel < 100 else t[:: max(1, numel // 97)].tolist()
+    return out
+
+
+def _reference(n: int, key: str):
+    import torch
+
+    dtype_name, op, numel = key.split("/")
+    dtype = getattr(torch, dtype_name.split(".")[1])
+    rows = torch.stack([_inputs(r, int(numel), dtype) for r in range(n)]).double()
+    if "PRODUCT" in op:
+        rows = rows.remainder(3) + 1
+        return rows.prod(0)
+    if "MAX" in op:
+        return rows.amax(0)
+    total = rows.sum(0)
+    return total / n if "AVG" in op else total
+
+
+def _check_all_reduces(res: list, n: int) -> None:
+    import torch
+
+    for r, got in enumerate(res):
+        for key, (first, second) in got["digests"].items():
+            assert first == second, f"rank {r}: {key} gave different bits twice"
+        assert got["digests"] == res[0]["digests"], f"rank {r}'s results differ from rank 0's"
+    for key, values in res[0]["values"].items():
+        want = _reference(n, key)
+        numel = int(key.split("/")[2])
+        want = want if numel < 100 else want[:: max(1, numel // 97)]
+        torch.testing.assert_close(torch.tensor(values, dtype=torch.float64), want, rtol=1e-5, atol=1e-4,
+                                   msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nodes", ["0,0,1", "0,1,0,1", "1,1,0,0"])
+def test_the_two_level_all_reduce_is_exact_and_the_same_on_every_rank(nodes):
+    """A fake multi-NUMA plan on this machine (``CPUDDP_SHM_NUMA``, oversubscribed ranks): every
+    op and dtype, one round and several, uneven parts; bit-identical across ranks and calls."""
+    n = len(nodes.split(","))
+    res = run_distributed(_all_reduces, n, backend="shm", timeout=300,
+                          env={"CPUDDP_SHM_SLOT": "64K", "CPUDDP_SHM_NUMA": nodes})
+    assert all(r["two_level"] for r in res), [r["reason"] for r in res]
+    assert "two levels" in res[0]["reason"], res[0]["reason"]
+    _check_all_reduces(res, n)
+
+
+@pytest.mark.slow
+def test_one_level_without_the_plan_and_the_same_results_within_rounding():
+    one = run_distributed(_all_reduces, 4, backend="shm", timeout=300, env={"CPUDDP_SHM_SLOT": "64K"})
+    assert not any(r["two_level"] for r in one), [r["reason"] for r in one]
+    _check_all_reduces(one, 4)
+    two = run_distributed(_all_reduces, 4, backend="shm", timeout=300,
+                          env={"CPUDDP_SHM_SLOT": "64K", "CPUDDP_SHM_NUMA": "0,0,1,1"})
+    for key, digests in one[0]["digests"].items():
+        if "int" in key or "MAX" in key:  # exact ops: the same bits on either path
+            assert two[0]["digests"][key] == digests, key
+
+
+@pytest.mark.slow
+def test_a_numa_override_that_does_not_fit_the_node_is_a_clear_error_on_every_rank():
+    from cpuddp.errors import RankFailedError
+
+    with pytest.raises(RankFailedError, match="CPUDDP_SHM_NUMA names 4 NUMA node") as info:
+        run_distributed(_all_reduces, 3, backend="shm", timeout=120, env={"CPUDDP_SHM_NUMA": "0,0,1,2"})
+    assert "Fix: give one NUMA node per local rank" in str(info.value)
+
+
+def test_a_rank_that_planned_otherwise_than_local_rank_0_is_refused(monkeypatch):
+    """The plan is checked against local rank 0's through the store: a rank whose topology or
+    override differs stops at set-up, never runs rounds its peers do not."""
+    from types import SimpleNamespace
+
+    from cpuddp.backends.shm.levels import setup_levels
+    from cpuddp.errors import BackendError
+
+    class Store(dict):
+        def set(self, key, value):
+            self[key] = value.encode() if isinstance(value, str) else value
+
+        def get(self, key):
+            return self[key]
+
+    store = Store({"numa/0": b"groups [[0, 1, 2]]"})
+    monkeypatch.setenv("CPUDDP_SHM_NUMA", "0,0,1")
+    eng = SimpleNamespace(rank=1, me=1, levels=None)
+    with pytest.raises(BackendError, match=r"planned the node's NUMA levels as groups \[\[0, 1\], \[2\]\]"):
+        setup_levels(eng, store, (0, 1, 2), [[0], [0], [0]])
+    assert store["numa/1"] == b"groups [[0, 1], [2]]" and eng.levels is None
+    monkeypatch.delenv("CPUDDP_SHM_NUMA")
+    assert setup_levels(eng, store, (0, 1), [[0], [0]]) == "" and eng.levels is None  # 2 ranks: one level

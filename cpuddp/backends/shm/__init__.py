@@ -9,7 +9,7 @@ group's options and lifecycle hooks, without torch (:mod:`.api`); which ranks sh
 (:mod:`.forms`), reduce ops and staging (:mod:`.ops`), sparse all_reduce (:mod:`.sparse`) and
 send/recv (:mod:`.p2p`); the collectives torch calls (:mod:`.calls`) and the process group
 (:mod:`.group`, which imports torch and registers ``"shm"``).
-May import: :mod:`cpuddp.errors`, :mod:`cpuddp._units`, :mod:`cpuddp.launchers`, :mod:`cpuddp.topology.here`.
+May import: :mod:`cpuddp.errors`, :mod:`cpuddp._units`, :mod:`cpuddp.launchers`, :mod:`cpuddp.topology`.
 
 Importing this package imports nothing: :mod:`cpuddp.backends` asks :mod:`.check` without
 torch.  Users import the door, :mod:`cpuddp.shm`.

@@ -59,6 +59,7 @@ from .agree import encode
 from .calls import Collectives
 from .cross import Hierarchy, SumThenDivide, cross_group
 from .handover import map_segment
+from .levels import setup_levels
 from .local import LocalEngine
 from .node import NodePlan, check_local_size, parse_who, plan_node, whoami
 from .ops import check_tensors
@@ -149,8 +150,9 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         waiter = Waiter(seg, plan.local, plan.peer_pids, rank, seconds, plan.spin)
         self._eng = LocalEngine(seg, plan.local, rank, waiter)
         self._links = PeerLinks({plan.local[j]: s for j, s in socks.items()}, rank)
+        numa = setup_levels(self._eng, store, plan.local, plan.local_cpus)
         if plan.nodes == 1:
-            return f"shared memory among {plan.local_size} ranks"
+            return f"shared memory among {plan.local_size} ranks" + (f" ({numa})" if numa else "")
         cross = cross_group(dist.PrefixStore(f"cross/{plan.local_rank}", store), plan, timeout, self._options.inter)
         self._hier = Hierarchy(self._eng, plan, cross)
         self._world = SumThenDivide(dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout), size)

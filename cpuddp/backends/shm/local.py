@@ -109,6 +109,9 @@ class LocalEngine:
         self.seq = 0
         self.calls = 0
         self.broken: Optional[str] = None
+        #: the two-level all_reduce (:class:`cpuddp.backends.shm.levels.TwoLevel`) when the node's
+        #: NUMA plan has two or more groups, set by the group; else None: the one-level path
+        self.levels: Optional[Any] = None
         self._unchecked: Optional[Tuple[int, Call]] = None
 
     # ------------------------------------------------------------------ agreement and waiting
@@ -207,7 +210,9 @@ class LocalEngine:
     def all_reduce(self, flat: torch.Tensor, fn: Callable[..., Any]) -> None:
         if self.n == 1 or not flat.numel():
             return
-        if self.n == 2:
+        if self.levels is not None:
+            self.levels.all_reduce(flat, fn)
+        elif self.n == 2:
             self._all_reduce_pair(flat, fn)
         else:
             self._all_reduce_parts(flat, fn)

@@ -60,6 +60,7 @@ class NodePlan:
     peer_pids: dict = field(default_factory=dict)  # group rank -> pid (same PID namespace only)
     spin: bool = True  # the node's ranks have at least a CPU each: yield-spin before sleeping
     whole_gloo: Optional[str] = None  # why every collective runs on gloo, else None
+    local_cpus: Tuple[frozenset, ...] = ()  # each local rank's allowed CPUs, in local-rank order
 
     @property
     def local_size(self) -> int:
@@ -93,6 +94,7 @@ def plan_node(who: Sequence[HostRecord], rank: int) -> NodePlan:
                    if r != rank and by_rank[r].pid is not None and by_rank[r].pid_ns == me.pid_ns},
         spin=bool(cpus) and len(cpus) >= len(local),
         whole_gloo=whole_gloo,
+        local_cpus=tuple(lay.local_cpus),
     )
 
 
