@@ -2,9 +2,11 @@
 
 Owns: whether it can run here and the segment's layout, pure and light (:mod:`.check`); the
 group's options and lifecycle hooks, without torch (:mod:`.api`); which ranks share the node
-(:mod:`.node`) and the plan over its NUMA nodes (:mod:`.numa_plan`); the node's segment (:mod:`.segment`) and its hand-over from local rank 0
-(:mod:`.handover`); the per-call agreement (:mod:`.agree`); waiting for the node's peers
-(:mod:`.wait`); the node-local data path (:mod:`.local`) and the leg across nodes
+(:mod:`.node`) and the plan over its NUMA nodes (:mod:`.numa_plan`); the node's segment, each
+rank's slots on its own NUMA node (:mod:`.segment`; where the pages are: :mod:`.placement`), and
+its hand-over from local rank 0 (:mod:`.handover`); the per-call agreement (:mod:`.agree`);
+waiting for the node's peers (:mod:`.wait`); the node-local data path (:mod:`.local`; its
+all_reduce in two levels over NUMA nodes: :mod:`.levels`) and the leg across nodes
 (:mod:`.cross`); where collectives run (:mod:`.stream`); argument forms and size checks
 (:mod:`.forms`), reduce ops and staging (:mod:`.ops`), sparse all_reduce (:mod:`.sparse`) and
 send/recv (:mod:`.p2p`); the collectives torch calls (:mod:`.calls`) and the process group

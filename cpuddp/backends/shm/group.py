@@ -35,7 +35,8 @@ own in the store (``shm/<n>/``, n counting this rank's groups), so a group forme
 same processes never reads a key the last one left.
 
 Options: :class:`~cpuddp.backends.shm.api.ShmOptions` as ``pg_options``; without them
-``CPUDDP_SHM_INTER``, ``CPUDDP_SHM_ASYNC`` and ``CPUDDP_SHM_SLOT`` are read.
+``CPUDDP_SHM_INTER``, ``CPUDDP_SHM_ASYNC`` and ``CPUDDP_SHM_SLOT`` are read (and ``CPUDDP_SHM_NUMA``, a
+forced NUMA plan: :mod:`cpuddp.backends.shm.levels`).
 """
 
 from __future__ import annotations

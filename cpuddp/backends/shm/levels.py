@@ -104,12 +104,8 @@ class TwoLevel:
     def all_reduce(self, flat: torch.Tensor, fn: Callable[..., Any]) -> None:
         eng, me = self.eng, self.me
         rows, red = eng.seg.rows(flat.dtype), rows_reducer(fn, flat.dtype)
-        for o, k in eng._rounds(flat.numel(), eng._cap(flat)):
-            e = eng.epoch + 1
+        for e, chunk, k in eng.copied_in(flat, rows):
             a, b = rows[e & 1], rows[(e + 1) & 1]
-            chunk = flat[o:o + k] if k != flat.numel() else flat
-            eng.row(a, me, 0, k).copy_(chunk)
-            eng.sync(e)
             spans = self.spans(k, flat.element_size())
             for p in self.mine:
                 (lo, hi), _subs = spans[p]

@@ -23,7 +23,8 @@ whole slots, big enough for the rank's intra-op threads.
   length, the last one shorter) over every slot, in one op, into its slot of the other buffer;
   a second round; then every rank copies every part out in one strided copy (two when the
   last part is short).  Each element is reduced by exactly one rank: the result is
-  bit-identical on every rank.
+  bit-identical on every rank.  On a node whose NUMA plan has two or more groups: within each
+  NUMA node, then across them (:mod:`cpuddp.backends.shm.levels`).
 * ``reduce``: like all_reduce, only the root reduces (one op over every slot); the others'
   tensors are not changed.
 * ``broadcast``: the root copies in, the others copy out.
@@ -46,7 +47,7 @@ makes the peers stop too.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -231,14 +232,20 @@ class LocalEngine:
             else:
                 fn(theirs, mine, out=mine)
 
-    def _all_reduce_parts(self, flat: torch.Tensor, fn: Callable[..., Any]) -> None:
-        rows, me, red = self.seg.rows(flat.dtype), self.me, rows_reducer(fn, flat.dtype)
+    def copied_in(self, flat: torch.Tensor, rows: List[torch.Tensor]) -> Iterator[Tuple[int, torch.Tensor, int]]:
+        """Each chunk of ``flat`` (at most a slot) copied into this rank's row of ``rows[e % 2]``, and
+        every peer's too (the round's sync): ``(e, chunk, k)``, ``k`` elements."""
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.epoch + 1
-            src, out = rows[e & 1], rows[(e + 1) & 1]
             chunk = flat[o:o + k] if k != flat.numel() else flat
-            self.row(src, me, 0, k).copy_(chunk)
+            self.row(rows[e & 1], self.me, 0, k).copy_(chunk)
             self.sync(e)
+            yield e, chunk, k
+
+    def _all_reduce_parts(self, flat: torch.Tensor, fn: Callable[..., Any]) -> None:
+        rows, me, red = self.seg.rows(flat.dtype), self.me, rows_reducer(fn, flat.dtype)
+        for e, chunk, k in self.copied_in(flat, rows):
+            src, out = rows[e & 1], rows[(e + 1) & 1]
             lo, hi = self.my_part(k, flat.element_size())
             if hi > lo:
                 red(self.part_rows(src, lo, hi), self.row(out, me, lo, hi))
