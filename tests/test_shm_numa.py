@@ -147,7 +147,35 @@ def _all_reduces():
                 got.append(hashlib.sha256(t.numpy().tobytes()).hexdigest())
             out["digests"][key] = got
             out["values"][key] = t.tolist() if numel < 100 else t[:: max(1, numel // 97)].tolist()
+    out["mixed"] = _mixed(rank, dist.get_world_size())
     return out
+
+
+def _mixed(rank: int, n: int) -> list:
+    """The two-level all_reduce between one-level collectives (the rounds of each share the two
+    buffers): what differs from the exact integer result, by call."""
+    import torch
+    import torch.distributed as dist
+
+    wrong = []
+    for i, numel in enumerate((5, 40001)):
+        t = torch.arange(numel, dtype=torch.int64) * (rank + 1)
+        dist.all_reduce(t)
+        if not torch.equal(t, torch.arange(numel, dtype=torch.int64) * (n * (n + 1) // 2)):
+            wrong.append(f"all_reduce {i}")
+        part = torch.empty(numel, dtype=torch.int64)
+        dist.reduce_scatter_tensor(part, torch.full((numel * n,), rank + 1, dtype=torch.int64))
+        if not bool((part == n * (n + 1) // 2).all()):
+            wrong.append(f"reduce_scatter {i}")
+        every = torch.empty(numel * n, dtype=torch.int64)
+        dist.all_gather_into_tensor(every, torch.full((numel,), rank, dtype=torch.int64))
+        if not torch.equal(every, torch.arange(n).repeat_interleave(numel)):
+            wrong.append(f"all_gather {i}")
+        b = torch.full((numel,), rank, dtype=torch.int64)
+        dist.broadcast(b, n - 1)
+        if not bool((b == n - 1).all()):
+            wrong.append(f"broadcast {i}")
+    return wrong
 
 
 def _reference(n: int, key: str):
@@ -169,6 +197,7 @@ def _check_all_reduces(res: list, n: int) -> None:
     import torch
 
     for r, got in enumerate(res):
+        assert got["mixed"] == [], (r, got["mixed"])
         for key, (first, second) in got["digests"].items():
             assert first == second, f"rank {r}: {key} gave different bits twice"
         assert got["digests"] == res[0]["digests"], f"rank {r}'s results differ from rank 0's"
@@ -181,10 +210,11 @@ def _check_all_reduces(res: list, n: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nodes", ["0,0,1", "0,1,0,1", "1,1,0,0"])
+@pytest.mark.parametrize("nodes", ["0,0,1", "0,1,0,1", "1,1,0,0", "2,0,1,0,2"])
 def test_the_two_level_all_reduce_is_exact_and_the_same_on_every_rank(nodes):
     """A fake multi-NUMA plan on this machine (``CPUDDP_SHM_NUMA``, oversubscribed ranks): every
-    op and dtype, one round and several, uneven parts; bit-identical across ranks and calls."""
+    op and dtype, one round and several, uneven parts, 2 and 3 groups, groups in and out of rank
+    order; bit-identical across ranks and calls; between one-level collectives."""
     n = len(nodes.split(","))
     res = run_distributed(_all_reduces, n, backend="shm", timeout=300,
                           env={"CPUDDP_SHM_SLOT": "64K", "CPUDDP_SHM_NUMA": nodes})
