@@ -326,6 +326,17 @@ def test_a_reservation_the_kernel_refuses_is_a_clear_error_on_every_rank_not_sig
 
 
 @pytest.mark.slow
+def test_a_peer_that_cannot_reserve_its_own_slots_is_a_clear_error_on_every_rank(tmp_path):
+    # each rank reserves its own slots (on its NUMA node): rank 1's posix_fallocate says ENOMEM
+    # (RLIMIT_FSIZE cannot refuse it: local rank 0 has already sized the segment)
+    r0, r1 = _launch(2, "init_only", tmp_path, env={"SHM_RANKS_NOMEM_RANK": "1"})
+    want = "cannot reserve 1 MiB of shared memory for local rank 1's slots: Cannot allocate memory"
+    assert want in r1.get("error", ""), r1
+    assert "CPUDDP_SHM_SLOT" in r1["error"] and "backend='gloo'" in r1["error"]
+    assert want in r0.get("error", ""), r0
+
+
+@pytest.mark.slow
 def test_nothing_is_created_in_dev_shm(tmp_path):
     before = set(os.listdir("/dev/shm"))
     reports = _launch(2, "init_only", tmp_path)

@@ -52,6 +52,13 @@ if os.environ.get("SHM_RANKS_FSIZE"):  # a real kernel refusal of the reservatio
     limit = int(os.environ["SHM_RANKS_FSIZE"])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+if os.environ.get("SHM_RANKS_NOMEM_RANK") == os.environ["RANK"]:  # this rank's reservations fail (ENOMEM)
+    import errno
+
+    def _no_memory(fd, offset, length):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    os.posix_fallocate = _no_memory
 timeout = datetime.timedelta(seconds=3 if mode == "peer_stuck" else 60)
 try:
     dist.init_process_group("shm", timeout=timeout)
