@@ -259,11 +259,40 @@ def test_a_rank_that_planned_otherwise_than_local_rank_0_is_refused(monkeypatch)
         def get(self, key):
             return self[key]
 
-    store = Store({"numa/0": b"groups [[0, 1, 2]]"})
+    store = Store({"numa/0": b"groups [[0, 1, 2]]", "numa/cpus/0": b"0", "numa/cpus/2": b"0-1"})
     monkeypatch.setenv("CPUDDP_SHM_NUMA", "0,0,1")
     eng = SimpleNamespace(rank=1, me=1, levels=None)
     with pytest.raises(BackendError, match=r"planned the node's NUMA levels as groups \[\[0, 1\], \[2\]\]"):
-        setup_levels(eng, store, (0, 1, 2), [[0], [0], [0]])
-    assert store["numa/1"] == b"groups [[0, 1], [2]]" and eng.levels is None
+        setup_levels(eng, store, (0, 1, 2), [1])
+    assert store["numa/1"] == b"groups [[0, 1], [2]]" and store["numa/cpus/1"] == b"1" and eng.levels is None
+    store["numa/cpus/2"] = b"0-x"
+    with pytest.raises(BackendError, match=r"numa/cpus/2 \(b'0-x'\) is not a CPU list"):
+        setup_levels(eng, store, (0, 1, 2), [1])
     monkeypatch.delenv("CPUDDP_SHM_NUMA")
-    assert setup_levels(eng, store, (0, 1), [[0], [0]]) == "" and eng.levels is None  # 2 ranks: one level
+    assert setup_levels(eng, store, (0, 1), [1]) == "" and eng.levels is None  # 2 ranks: one level
+
+
+def _with_compute_cpus():
+    """In a rank: a group whose options name this rank's compute CPUs (what the pinning plan
+    gives), CPU 99 -- one this machine lacks -- for rank 2."""
+    import torch
+    import torch.distributed as dist
+
+    from cpuddp.backends.shm.api import ShmOptions
+    from cpuddp.topology.here import allowed_cpus
+
+    rank = dist.get_rank()
+    before = allowed_cpus()
+    cpus = {0: (0,), 1: (min(1, max(before)),), 2: (99,)}[rank]
+    pg = dist.new_group(list(range(3)), backend="shm", pg_options=ShmOptions(cpus=cpus))
+    t = torch.ones(5)
+    dist.all_reduce(t, group=pg)
+    return {"reason": pg.reason, "sum": t.tolist(), "restored": allowed_cpus() == before}
+
+
+@pytest.mark.slow
+def test_the_options_compute_cpus_place_the_rank_and_the_forming_thread_gets_its_mask_back():
+    res = run_distributed(_with_compute_cpus, 3, backend="shm", timeout=180)
+    for got in res:
+        assert got["sum"] == [3.0] * 5 and got["restored"], got
+        assert "one level: local rank 2 runs on CPU 99, which the topology does not place" in got["reason"], got

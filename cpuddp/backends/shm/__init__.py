@@ -11,7 +11,8 @@ all_reduce in two levels over NUMA nodes: :mod:`.levels`) and the leg across nod
 (:mod:`.forms`), reduce ops and staging (:mod:`.ops`), sparse all_reduce (:mod:`.sparse`) and
 send/recv (:mod:`.p2p`); the collectives torch calls (:mod:`.calls`) and the process group
 (:mod:`.group`, which imports torch and registers ``"shm"``).
-May import: :mod:`cpuddp.errors`, :mod:`cpuddp._units`, :mod:`cpuddp.launchers`, :mod:`cpuddp.topology`.
+May import: :mod:`cpuddp.errors`, :mod:`cpuddp._units`, :mod:`cpuddp.launchers`, :mod:`cpuddp.topology`,
+:mod:`cpuddp.affinity.pin` (the forming thread on the rank's CPUs).
 
 Importing this package imports nothing: :mod:`cpuddp.backends` asks :mod:`.check` without
 torch.  Users import the door, :mod:`cpuddp.shm`.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 __all__ = ["ShmOptions", "leave_all", "abort_all", "track", "INTER_VAR"]
 
@@ -33,11 +33,15 @@ class ShmOptions:
     """A shm group's options.  ``inter``: the node-to-node leg (``"gloo"`` or ``"ccl"``);
     ``async_comm``: this rank has a CPU its compute threads leave free, so large collectives
     may run on a communication thread (None: no); ``local_size``: the ranks on this node as the
-    launcher said (None: unknown), a floor for what the store may claim."""
+    launcher said (None: unknown), a floor for what the store may claim; ``cpus``: this rank's
+    compute CPUs (the pinning plan's) -- the group forms on them, so the rank's slots are
+    allocated on their NUMA node, and they place the rank in the node's NUMA plan
+    (:mod:`cpuddp.backends.shm.levels`); None: the forming thread's own CPUs."""
 
     inter: str = "gloo"
     async_comm: Optional[bool] = None
     local_size: Optional[int] = None
+    cpus: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
         if self.inter not in _LEGS:

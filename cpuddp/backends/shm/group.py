@@ -51,6 +51,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from cpuddp.affinity.pin import thread_affinity
 from cpuddp.errors import BackendError, GroupShutDownError
 
 from . import api
@@ -147,11 +148,12 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             return plan.whole_gloo
         _require_x86()
         seconds = timeout.total_seconds()
-        seg, socks = map_segment(store, rank, plan, seconds, shm_check.slot_bytes(os.environ))
+        with thread_affinity(self._options.cpus):  # the slots are allocated on the rank's NUMA node
+            seg, socks = map_segment(store, rank, plan, seconds, shm_check.slot_bytes(os.environ))
         waiter = Waiter(seg, plan.local, plan.peer_pids, rank, seconds, plan.spin)
         self._eng = LocalEngine(seg, plan.local, rank, waiter)
         self._links = PeerLinks({plan.local[j]: s for j, s in socks.items()}, rank)
-        numa = setup_levels(self._eng, store, plan.local, plan.local_cpus)
+        numa = setup_levels(self._eng, store, plan.local, self._options.cpus or plan.local_cpus[plan.local_rank])
         if plan.nodes == 1:
             return f"shared memory among {plan.local_size} ranks" + (f" ({numa})" if numa else "")
         cross = cross_group(dist.PrefixStore(f"cross/{plan.local_rank}", store), plan, timeout, self._options.inter)

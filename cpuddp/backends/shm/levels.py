@@ -25,12 +25,13 @@ DDP calls) has two levels; the other collectives run the one-level path.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Mapping, Sequence, Tuple
 
 import torch
 
 from .local import LocalEngine, block, part_length, span
 from cpuddp.errors import BackendError
+from cpuddp.topology.model import format_cpulist, parse_cpulist
 
 from .numa_plan import FORCE_VAR, NumaPlan, forced_nodes, plan_numa
 from .ops import rows_reducer
@@ -48,14 +49,16 @@ def node_numa_plan(local_cpus: Sequence[Sequence[int]], environ: Mapping[str, st
     return plan_numa(local_cpus, numa, forced=forced)
 
 
-def setup_levels(eng: LocalEngine, store: Any, local: Sequence[int], local_cpus: Sequence[Sequence[int]]) -> str:
-    """Plan the node's levels (3 or more local ranks), check that every local rank planned the
-    same as local rank 0 (through ``store``), and give ``eng`` its :class:`TwoLevel` when the plan
-    has two or more groups; the plan's reason ("" for fewer than 3 ranks)."""
+def setup_levels(eng: LocalEngine, store: Any, local: Sequence[int], cpus: Iterable[int]) -> str:
+    """Plan the node's levels (3 or more local ranks) from every local rank's ``cpus`` (its compute
+    CPUs, exchanged through ``store``), check that every local rank planned the same as local rank
+    0, and give ``eng`` its :class:`TwoLevel` when the plan has two or more groups; the plan's
+    reason ("" for fewer than 3 ranks)."""
     if len(local) < 3:
         return ""
+    store.set(f"numa/cpus/{eng.rank}", format_cpulist(cpus))
     try:
-        plan = node_numa_plan(local_cpus)
+        plan = node_numa_plan([_cpus_of(store, r) for r in local])
     except BackendError as exc:
         store.set(f"numa/{eng.rank}", f"an error: {exc.msg}")
         raise
@@ -69,6 +72,15 @@ def setup_levels(eng: LocalEngine, store: Any, local: Sequence[int], local_cpus:
     if plan.two_level:
         eng.levels = TwoLevel(eng, plan)
     return plan.reason
+
+
+def _cpus_of(store: Any, rank: int) -> frozenset:
+    raw = store.get(f"numa/cpus/{rank}")
+    try:
+        return parse_cpulist(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise BackendError(f"the store's numa/cpus/{rank} ({raw[:80]!r}) is not a CPU list",
+                           fix="see docs/security.md (something else writes to this job's store)") from None
 
 
 class TwoLevel:
