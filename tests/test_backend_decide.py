@@ -72,3 +72,15 @@ def test_ranks_that_disagree_stop_before_anything_is_planned(monkeypatch):
     with pytest.raises(BackendError, match=r"rank 0: the ranks' backend choices differ: rank 0: shm, rank 2: gloo; "
                        r"1 rank\(s\) differ from this rank's 'shm'"):
         decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=True)
+
+
+def test_shm_options_carry_the_pinning_plans_cpus(monkeypatch):
+    """The rank's compute CPUs reach the shm group: its slots are allocated, and the rank planned,
+    on their NUMA node (cpuddp.backends.shm.levels)."""
+    _shm_everywhere(monkeypatch, {})
+    store = dist.HashStore()
+    for r in (1, 2, 3):
+        store.set(f"b/{r}", "shm")
+        store.set(f"b/inter/{r}", "ccl")
+    plan = decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=True)
+    assert plan.pin_plan is not None and plan.options.cpus == tuple(plan.pin_plan.cpus), (plan.pin_plan, plan.options)

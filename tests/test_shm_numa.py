@@ -244,32 +244,33 @@ def test_a_numa_override_that_does_not_fit_the_node_is_a_clear_error_on_every_ra
     assert "Fix: give one NUMA node per local rank" in str(info.value)
 
 
-def test_a_rank_that_planned_otherwise_than_local_rank_0_is_refused(monkeypatch):
-    """The plan is checked against local rank 0's through the store: a rank whose topology or
-    override differs stops at set-up, never runs rounds its peers do not."""
-    from types import SimpleNamespace
+def _own_override():
+    """In a rank: a group formed while this rank's CPUDDP_SHM_NUMA differs from its peers' --
+    each rank contributes only its own entry (rank 1 says node 1 in its copy) -- and a store
+    rewrite of every key the group left."""
+    import os
 
-    from cpuddp.backends.shm.levels import setup_levels
-    from cpuddp.errors import BackendError
+    import torch
+    import torch.distributed as dist
 
-    class Store(dict):
-        def set(self, key, value):
-            self[key] = value.encode() if isinstance(value, str) else value
+    rank = dist.get_rank()
+    os.environ["CPUDDP_SHM_NUMA"] = {0: "0,0,1", 1: "0,1,1", 2: "0,0,1"}[rank]
+    pg = dist.new_group(list(range(3)), backend="shm")
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t, group=pg)
+    return {"reason": pg.reason, "two_level": pg._eng.levels is not None, "sum": t[0].item(),
+            "groups": pg._eng.levels.plan.groups if pg._eng.levels is not None else None}
 
-        def get(self, key):
-            return self[key]
 
-    store = Store({"numa/0": b"groups [[0, 1, 2]]", "numa/cpus/0": b"0", "numa/cpus/2": b"0-1"})
-    monkeypatch.setenv("CPUDDP_SHM_NUMA", "0,0,1")
-    eng = SimpleNamespace(rank=1, me=1, levels=None)
-    with pytest.raises(BackendError, match=r"planned the node's NUMA levels as groups \[\[0, 1\], \[2\]\]"):
-        setup_levels(eng, store, (0, 1, 2), [1])
-    assert store["numa/1"] == b"groups [[0, 1], [2]]" and store["numa/cpus/1"] == b"1" and eng.levels is None
-    store["numa/cpus/2"] = b"0-x"
-    with pytest.raises(BackendError, match=r"numa/cpus/2 \(b'0-x'\) is not a CPU list"):
-        setup_levels(eng, store, (0, 1, 2), [1])
-    monkeypatch.delenv("CPUDDP_SHM_NUMA")
-    assert setup_levels(eng, store, (0, 1), [1]) == "" and eng.levels is None  # 2 ranks: one level
+@pytest.mark.slow
+def test_every_rank_plans_from_the_segment_each_from_its_own_node():
+    """The NUMA nodes travel through the segment (never the store, which others can write): every
+    rank plans the same groups from the same words, each rank's word its own."""
+    res = run_distributed(_own_override, 3, backend="shm", timeout=180)
+    for got in res:
+        assert got["sum"] == 6.0 and got["two_level"], got
+        assert got["groups"] == ((0,), (1, 2)), got
+    assert len({got["reason"] for got in res}) == 1, res
 
 
 def _with_compute_cpus():

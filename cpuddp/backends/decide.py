@@ -88,7 +88,8 @@ def decide_backend(requested: str, env: "DistEnv", layout: Optional["Layout"], s
     options = None
     if choice.name == "shm":  # a spare CPU in the plan is the communication thread's
         spare = pin_plan is not None and len(pin_plan.cpus) > pin_plan.num_threads
-        options = shm_options(choice, os.environ, async_comm=spare, local_size=env.local_world_size)
+        cpus = tuple(pin_plan.cpus) if pin_plan is not None else None  # the rank's NUMA node: its slots, its level
+        options = shm_options(choice, os.environ, async_comm=spare, local_size=env.local_world_size, cpus=cpus)
     return BackendPlan(choice, pin_plan, settings, options)
 
 

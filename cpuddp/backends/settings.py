@@ -93,10 +93,10 @@ def backend_env(
 
 
 def shm_options(choice: BackendChoice, environ: Mapping[str, str], *, async_comm: Optional[bool] = None,
-                local_size: Optional[int] = None) -> ShmOptions:
+                local_size: Optional[int] = None, cpus: Optional[Tuple[int, ...]] = None) -> ShmOptions:
     """The shm group's options (``pg_options``): the rule's node-to-node leg
     (:func:`cpuddp.backends.auto.inter_leg`) unless the user set ``CPUDDP_SHM_INTER`` (then
-    logged, and kept); ``async_comm`` and ``local_size`` as :class:`~cpuddp.backends.shm.api.ShmOptions`."""
+    logged, and kept); ``async_comm``, ``local_size`` and ``cpus`` as :class:`~cpuddp.backends.shm.api.ShmOptions`."""
     inter = choice.inter or "gloo"
     user = environ.get(INTER_VAR)
     if user is not None and user.strip():
@@ -104,7 +104,7 @@ def shm_options(choice: BackendChoice, environ: Mapping[str, str], *, async_comm
             log.info("cpuddp: %s=%s is your setting and is kept (the rule would take %s between nodes)",
                      INTER_VAR, user, choice.inter)
         inter = user.strip().lower()
-    return ShmOptions(inter=inter, async_comm=async_comm, local_size=local_size)
+    return ShmOptions(inter=inter, async_comm=async_comm, local_size=local_size, cpus=cpus)
 
 
 @dataclass(frozen=True)

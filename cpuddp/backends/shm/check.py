@@ -52,8 +52,8 @@ DEFAULT_SLOT = 1 << 20
 X86_MACHINES = frozenset({"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"})
 
 PAGE = 4096
-#: One control line per rank (arrival counter, posted and checked call numbers, state), each on
-#: its own 128-byte line (adjacent-line prefetch pairs 64 B lines).
+#: One control line per rank (arrival counter, posted and checked call numbers, state, its NUMA
+#: node and why it has none), each on its own 128-byte line (adjacent-line prefetch pairs 64 B lines).
 COUNTER_STRIDE = 128
 HEADER_BYTES = PAGE
 #: Per-call descriptors: a ring of RING entries of DESC_BYTES per rank (cpuddp.backends.shm.agree).

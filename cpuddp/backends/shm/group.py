@@ -153,7 +153,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         waiter = Waiter(seg, plan.local, plan.peer_pids, rank, seconds, plan.spin)
         self._eng = LocalEngine(seg, plan.local, rank, waiter)
         self._links = PeerLinks({plan.local[j]: s for j, s in socks.items()}, rank)
-        numa = setup_levels(self._eng, store, plan.local, self._options.cpus or plan.local_cpus[plan.local_rank])
+        numa = setup_levels(self._eng, self._options.cpus or plan.local_cpus[plan.local_rank])
         if plan.nodes == 1:
             return f"shared memory among {plan.local_size} ranks" + (f" ({numa})" if numa else "")
         cross = cross_group(dist.PrefixStore(f"cross/{plan.local_rank}", store), plan, timeout, self._options.inter)

@@ -1,7 +1,7 @@
 """The node's all_reduce in two levels: within each NUMA node, then once across them.
 
-Selected only when the node's plan (:func:`cpuddp.backends.shm.numa_plan.plan_numa`, from each
-rank's CPUs and the topology; :func:`node_numa_plan`) has two or more groups; otherwise the
+Selected only when the node's plan (:func:`cpuddp.backends.shm.numa_plan.plan_nodes`, from each
+rank's NUMA node as it wrote it in the segment; :func:`setup_levels`) has two or more groups; otherwise the
 engine's one-level path runs unchanged.  Each rank's slots live on its own NUMA node
 (:mod:`cpuddp.backends.shm.segment`).  With ``M`` parts per chunk (the largest group) and ``K``
 groups, for each chunk of at most one slot (epoch ``e``, buffers ``A = e % 2`` and ``B``):
@@ -25,62 +25,64 @@ DDP calls) has two levels; the other collectives run the one-level path.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, List, Mapping, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
 from .local import LocalEngine, block, part_length, span
 from cpuddp.errors import BackendError
-from cpuddp.topology.model import format_cpulist, parse_cpulist
 
-from .numa_plan import FORCE_VAR, NumaPlan, forced_nodes, plan_numa
+from .numa_plan import NumaPlan, forced_node, forced_nodes, plan_nodes, rank_node
+from .segment import C_NUMA, NOTE_BYTES
 from .ops import rows_reducer
 
-__all__ = ["TwoLevel", "node_numa_plan", "setup_levels"]
+__all__ = ["TwoLevel", "my_node", "setup_levels"]
 
 
-def node_numa_plan(local_cpus: Sequence[Sequence[int]], environ: Mapping[str, str] = os.environ) -> NumaPlan:
-    """The plan for the node's local ranks (``local_cpus``: each one's allowed CPUs), from this
-    machine's topology, or from ``CPUDDP_SHM_NUMA``."""
+def my_node(me: int, n: int, cpus: Iterable[int], environ: Mapping[str, str] = os.environ) -> Tuple[Optional[int], str]:
+    """Local rank ``me``'s NUMA node of ``n`` and why it has none (:func:`~.numa_plan.rank_node`):
+    from its compute ``cpus`` and this machine's topology, or from ``CPUDDP_SHM_NUMA``."""
     forced = forced_nodes(environ)
+    if forced is not None:
+        return forced_node(forced, me, n)
     from cpuddp.topology import read_topology
 
-    numa = {c.cpu: c.numa for c in read_topology().cpus} if forced is None else {}
-    return plan_numa(local_cpus, numa, forced=forced)
+    return rank_node(cpus, {c.cpu: c.numa for c in read_topology().cpus})
 
 
-def setup_levels(eng: LocalEngine, store: Any, local: Sequence[int], cpus: Iterable[int]) -> str:
-    """Plan the node's levels (3 or more local ranks) from every local rank's ``cpus`` (its compute
-    CPUs, exchanged through ``store``), check that every local rank planned the same as local rank
-    0, and give ``eng`` its :class:`TwoLevel` when the plan has two or more groups; the plan's
-    reason ("" for fewer than 3 ranks)."""
-    if len(local) < 3:
+def setup_levels(eng: LocalEngine, cpus: Iterable[int], environ: Mapping[str, str] = os.environ) -> str:
+    """Plan the node's levels (3 or more local ranks): each rank writes its NUMA node (and why it
+    has none) into its control line of the segment -- never the store, which others can write --
+    one round, then every rank plans from the same words; ``eng`` gets its :class:`TwoLevel`
+    when the plan has two or more groups.  The plan's reason ("" for fewer than 3 ranks)."""
+    seg, n = eng.seg, eng.n
+    if n < 3:
         return ""
-    store.set(f"numa/cpus/{eng.rank}", format_cpulist(cpus))
     try:
-        plan = node_numa_plan([_cpus_of(store, r) for r in local])
-    except BackendError as exc:
-        store.set(f"numa/{eng.rank}", f"an error: {exc.msg}")
+        node, why = my_node(eng.me, n, cpus, environ)
+    except BackendError:
+        eng.waiter.abort(eng.me)  # the peers stop at the round below instead of waiting it out
         raise
-    mine = f"groups {[list(g) for g in plan.groups]}"
-    store.set(f"numa/{eng.rank}", mine)
-    first = store.get(f"numa/{local[0]}").decode()
-    if first != mine:
-        raise BackendError(f"rank {eng.rank} planned the node's NUMA levels as {mine}, local rank 0 (rank "
-                           f"{local[0]}) as {first}", fix=f"set {FORCE_VAR} alike for every rank of the node, "
-                                                          "or unset it")
+    seg.lines[eng.me][C_NUMA] = _UNPLACED if node is None else node + _PLACED
+    note = why.encode()[:NOTE_BYTES]
+    seg.note(eng.me)[:] = note + bytes(NOTE_BYTES - len(note))
+    eng.epoch += 1
+    eng.sync(eng.epoch)
+    plan = plan_nodes([_node_of(seg, r) for r in range(n)])
     if plan.two_level:
         eng.levels = TwoLevel(eng, plan)
     return plan.reason
 
 
-def _cpus_of(store: Any, rank: int) -> frozenset:
-    raw = store.get(f"numa/cpus/{rank}")
-    try:
-        return parse_cpulist(raw.decode())
-    except (UnicodeDecodeError, ValueError):
-        raise BackendError(f"the store's numa/cpus/{rank} ({raw[:80]!r}) is not a CPU list",
-                           fix="see docs/security.md (something else writes to this job's store)") from None
+#: a control line's C_NUMA word: 0 not written yet, _UNPLACED, or the node + _PLACED
+_UNPLACED, _PLACED = 1, 2
+
+
+def _node_of(seg: Any, r: int) -> Tuple[Optional[int], str]:
+    word = seg.lines[r][C_NUMA]
+    if word >= _PLACED:
+        return word - _PLACED, ""
+    return None, bytes(seg.note(r)).rstrip(b"\0").decode(errors="replace") or "has no NUMA node"
 
 
 class TwoLevel:

@@ -36,7 +36,8 @@ from typing import Iterable, Mapping, Optional, Sequence, Tuple
 
 from cpuddp.errors import BackendError
 
-__all__ = ["NumaPlan", "plan_numa", "rank_node", "single_level", "forced_nodes", "FORCE_VAR"]
+__all__ = ["NumaPlan", "plan_numa", "plan_nodes", "rank_node", "forced_node", "single_level", "forced_nodes",
+           "FORCE_VAR"]
 
 FORCE_VAR = "CPUDDP_SHM_NUMA"
 
@@ -119,12 +120,21 @@ def plan_numa(rank_cpus: Sequence[Iterable[int]], numa_of: Mapping[int, int],
     if n == 0:
         raise ValueError("plan_numa needs at least one local rank")
     if forced is not None:
-        if len(forced) != n:
-            raise BackendError(f"{FORCE_VAR} names {len(forced)} NUMA node(s) for {n} local ranks",
-                               fix=f"give one NUMA node per local rank ({FORCE_VAR}=0,0,1,1 for 4), or unset it")
-        found = [(int(x), "") for x in forced]
-    else:
-        found = [rank_node(cpus, numa_of) for cpus in rank_cpus]
+        return plan_nodes([forced_node(forced, r, n) for r in range(n)])
+    return plan_nodes([rank_node(cpus, numa_of) for cpus in rank_cpus])
+
+
+def forced_node(forced: Sequence[int], local_rank: int, n: int) -> Tuple[Optional[int], str]:
+    """Local rank ``local_rank``'s node in ``forced`` (:func:`forced_nodes`), for ``n`` local ranks."""
+    if len(forced) != n:
+        raise BackendError(f"{FORCE_VAR} names {len(forced)} NUMA node(s) for {n} local ranks",
+                           fix=f"give one NUMA node per local rank ({FORCE_VAR}=0,0,1,1 for 4), or unset it")
+    return int(forced[local_rank]), ""
+
+
+def plan_nodes(found: Sequence[Tuple[Optional[int], str]]) -> NumaPlan:
+    """The plan from each local rank's ``(node, why)`` (:func:`rank_node`; node None: unplaced)."""
+    n = len(found)
     nodes = tuple(node for node, _ in found)
     for r, (node, why) in enumerate(found):
         if node is None:

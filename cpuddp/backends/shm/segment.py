@@ -55,7 +55,9 @@ MAGIC = 0x6370756464707368  # "cpuddpsh"
 # int64 words of the header page
 W_MAGIC, W_SIZE, W_SLOT, W_TOKEN, W_ABORT, W_RING = 0, 1, 2, 3, 4, 5
 # int64 words of each rank's control line
-C_EPOCH, C_POSTED, C_CHECKED, C_STATE = 0, 1, 2, 3
+C_EPOCH, C_POSTED, C_CHECKED, C_STATE, C_NUMA = 0, 1, 2, 3, 4
+#: bytes of each control line after its words: why the rank has no NUMA node (utf-8, NUL-padded)
+NOTE_AT, NOTE_BYTES = 48, 80
 STATE_LIVE, STATE_LEFT = 0, 1
 
 FIX = ("give the job memory for the segment (or lower CPUDDP_SHM_SLOT), run the node's ranks as one user "
@@ -83,7 +85,8 @@ class Segment:
         for at, length in [(0, slots), *self.own_slots(local_rank)]:  # allocated: map them ahead
             _populate(self.mm, at, length)
         self.words = (ctypes.c_int64 * 8).from_buffer(self.mm, 0)
-        self.lines = [(ctypes.c_int64 * 4).from_buffer(self.mm, counters + i * shm_check.COUNTER_STRIDE)
+        self._counters = counters
+        self.lines = [(ctypes.c_int64 * 5).from_buffer(self.mm, counters + i * shm_check.COUNTER_STRIDE)
                       for i in range(local_size)]
         # descriptor rings, entry-major: entry i of every rank side by side, so one comparison
         # of those bytes agrees a call (cpuddp.backends.shm.agree)
@@ -144,6 +147,11 @@ class Segment:
             views = [flat[p * self.size * n:(p + 1) * self.size * n].view(self.size, n) for p in (0, 1)]
             self._rows[dtype] = views
         return views
+
+    def note(self, local_rank: int) -> memoryview:
+        """Local rank ``local_rank``'s note: the bytes of its control line after the words."""
+        at = self._counters + local_rank * shm_check.COUNTER_STRIDE + NOTE_AT
+        return memoryview(self.mm)[at:at + NOTE_BYTES]
 
     def late(self, words: memoryview, value: int) -> List[int]:
         """Local ranks whose control word in ``words`` (``arrived``, ``posted``) is below ``value``."""
