@@ -423,6 +423,33 @@ def test_only_the_command_line_edges_parse_arguments():
     assert not wrong, f"argparse below the edges (pass a typed config instead): {wrong}"
 
 
+def _untyped_options(sources: dict[str, str]) -> list[str]:
+    """Parameters named ``options`` in cpuddp/train whose annotation is no typed, frozen config:
+    missing, or a mapping (``Mapping``, ``dict``, ``Any``).  prepare() reads its keyword arguments
+    once into ``PrepareOptions`` and hands that down (docs/code.md: a frozen config built once)."""
+    loose = ("Mapping", "dict", "Dict", "Any")
+    wrong = []
+    for module, source in sources.items():
+        if not module.startswith("cpuddp.train."):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]:
+                if arg.arg != "options":
+                    continue
+                note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if not note or any(word in note for word in loose):
+                    wrong.append(f"{module}:{node.lineno} takes options: {note or '(no annotation)'}")
+    return wrong
+
+
+def test_train_passes_its_options_typed():
+    wrong = _untyped_options(SOURCES)
+    assert not wrong, "an untyped options mapping crosses cpuddp/train (pass PrepareOptions):\n" + "\n".join(wrong)
+
+
 def test_the_owner_checks_can_fail():
     made_up = {
         "cpuddp.train.made_up": (
@@ -449,3 +476,8 @@ def test_the_owner_checks_can_fail():
     assert _globals(made_up) and _globals(made_up, "cpuddp.train.made_up")
     assert len(_names_written_twice(made_up)) == 2
     assert _argparse_users(made_up) == ["cpuddp.run.made_up", "cpuddp.train.made_up"]
+    loose = {"cpuddp.train.made_up": "def f(options: Mapping[str, Any]): pass\ndef g(x, options): pass\n"
+                                     "def h(*, options: dict): pass\ndef k(options: PrepareOptions): pass\n",
+             "cpuddp.run.made_up": "def f(options: dict): pass\n"}
+    assert [w.split(" takes")[0] for w in _untyped_options(loose)] == [
+        "cpuddp.train.made_up:1", "cpuddp.train.made_up:2", "cpuddp.train.made_up:3"]

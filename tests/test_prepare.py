@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import pickle
 import warnings
@@ -17,6 +18,7 @@ from cpuddp.train import precision as prepare_precision
 from cpuddp.errors import PrepareError
 from cpuddp.train.comm import bf16_allreduce_hook
 from cpuddp.train.distribute import ddp_kwargs
+from cpuddp.train.options import PrepareOptions
 from cpuddp.train.precision import decide_precision
 from cpuddp.train.prepare import prepare, prepared_info, unwrap
 
@@ -185,13 +187,13 @@ def test_fusion_decision_is_pure_and_says_why():
 def test_already_prepared_step():
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert prepare_mod._already_prepared(model, opt, {}) is None  # never prepared
+    assert prepare_mod._already_prepared(model, opt, PrepareOptions()) is None  # never prepared
     out = prepare(model, opt, ipex=False)
     options = prepared_info(out).options
     assert prepare_mod._already_prepared(model, None, options) is out
     assert prepare_mod._already_prepared(out, opt, options) is out
     with pytest.raises(PrepareError, match="already prepared"):
-        prepare_mod._already_prepared(out, opt, {**options, "static_graph": True})
+        prepare_mod._already_prepared(out, opt, dataclasses.replace(options, static_graph=True))
     with pytest.raises(PrepareError, match="already prepared"):
         prepare_mod._already_prepared(out, torch.optim.SGD(model.parameters(), lr=0.1), options)
 
@@ -206,13 +208,11 @@ def test_check_bare_cpu_module_step():
 
 
 def test_ddp_kwargs_step():
-    base = dict(static_graph=False, find_unused_parameters=False, process_group=None,
-                broadcast_buffers=None, bucket_cap_mb=None, ddp_kwargs={})
-    kw = ddp_kwargs(base)
+    kw = ddp_kwargs(PrepareOptions())
     assert kw == dict(device_ids=None, gradient_as_bucket_view=True, static_graph=False,
                       find_unused_parameters=False, process_group=None)  # no broadcast_buffers unless given
-    kw = ddp_kwargs({**base, "broadcast_buffers": False, "bucket_cap_mb": 4,
-                                  "ddp_kwargs": {"gradient_as_bucket_view": False}})
+    kw = ddp_kwargs(PrepareOptions(broadcast_buffers=False, bucket_cap_mb=4,
+                                   ddp_kwargs={"gradient_as_bucket_view": False}))
     assert kw["broadcast_buffers"] is False and kw["bucket_cap_mb"] == 4
     assert kw["gradient_as_bucket_view"] is False  # the user's ddp_kwargs win
 

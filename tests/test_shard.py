@@ -12,15 +12,14 @@ from torch import nn
 
 import cpuddp
 from cpuddp.errors import PrepareError
+from cpuddp.train.options import PrepareOptions
 from cpuddp.train.shard import (
     LARGE,
-    check_shard_request,
     check_shardable,
     decide_mesh,
     find_blocks,
     shared_across_blocks,
 )
-from cpuddp.train.zero import check_zero_optimizer
 
 STEPS = 50
 RTOL = 1e-5
@@ -52,17 +51,9 @@ class _Stack(nn.Module):
 # --------------------------------------------------------------------------- the request (pure)
 
 
-def _opts(**kw):
-    base = dict(ipex=None, ddp=None, compile=False, comm_hook=None, bucket_cap_mb=None, static_graph=False,
-                find_unused_parameters=False, broadcast_buffers=None, ddp_kwargs={}, shard_blocks=None,
-                shard_scope=None)
-    base.update(kw)
-    return base
-
-
 @pytest.mark.parametrize("shard", [None, "optimizer", "full"])
 def test_valid_requests_pass(shard):
-    check_shard_request(shard, _opts())
+    assert PrepareOptions(shard=shard).shard == shard
 
 
 @pytest.mark.parametrize("shard, options, words", [
@@ -81,7 +72,7 @@ def test_valid_requests_pass(shard):
 ])
 def test_bad_requests_name_the_argument_and_the_fix(shard, options, words):
     with pytest.raises(PrepareError) as info:
-        check_shard_request(shard, _opts(**options))
+        PrepareOptions(shard=shard, **options)
     for word in words:
         assert word in str(info.value)
 
@@ -196,18 +187,19 @@ def test_an_optimizer_over_foreign_tensors_is_refused():
 def test_shard_optimizer_needs_an_elementwise_optimizer_holding_every_parameter():
     model = _mlp()
     with pytest.raises(PrepareError, match="none was given"):
-        check_zero_optimizer(model, None)
+        check_shardable(model, None, "optimizer")
     with pytest.raises(PrepareError, match="element-wise.*got LBFGS.*\nFix: use shard=\"full\""):
-        check_zero_optimizer(model, torch.optim.LBFGS(model.parameters()))
+        check_shardable(model, torch.optim.LBFGS(model.parameters()), "optimizer")
 
     class MyAdam(torch.optim.Adam):
         pass
 
     with pytest.raises(PrepareError, match="got MyAdam"):
-        check_zero_optimizer(model, MyAdam(model.parameters()))
+        check_shardable(model, MyAdam(model.parameters()), "optimizer")
     with pytest.raises(PrepareError, match=r"\['4.weight', '4.bias'\] are not in the optimizer"):
-        check_zero_optimizer(model, torch.optim.AdamW(list(model.parameters())[:4]))
-    check_zero_optimizer(model, torch.optim.AdamW(model.parameters()))
+        check_shardable(model, torch.optim.AdamW(list(model.parameters())[:4]), "optimizer")
+    check_shardable(model, torch.optim.AdamW(model.parameters()), "optimizer")
+    check_shardable(model, torch.optim.LBFGS(model.parameters()), "full")  # FSDP2 takes any optimizer
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "full"])

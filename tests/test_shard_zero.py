@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import cpuddp
-from cpuddp.errors import RankFailedError
+from cpuddp.errors import PrepareError, RankFailedError
 from cpuddp.train.zero_sync import REASONS, WARN_AFTER, decide_start, local_verdict
 
 # --------------------------------------------------------------------------- pure
@@ -236,12 +236,21 @@ def test_a_resumed_run_continues_bit_identically(run_distributed, tmp_path, shar
             assert torch.equal(got[1][key][k], v), f"shard={shard!r}: optimizer state {key}.{k} differs after the resume"
 
 
-def test_an_optimizer_fused_by_the_user_is_kept_with_a_warning():
-    from cpuddp.train.zero import check_zero_optimizer
+def test_an_optimizer_fused_by_the_user_is_kept_with_a_warning(monkeypatch):
+    from cpuddp.train.shard import check_shardable
 
     model = nn.Linear(4, 2)
     with pytest.warns(RuntimeWarning, match="leave fused unset"):
-        check_zero_optimizer(model, torch.optim.AdamW(model.parameters(), fused=True))
+        check_shardable(model, torch.optim.AdamW(model.parameters(), fused=True), "optimizer")
+    # through prepare (a world of 2 without a group: the DDP wrap refuses after the checks), the
+    # warning names the user's line
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("cpuddp.train.prepare"), "_world_size", lambda group: 2)
+    with pytest.warns(RuntimeWarning, match="leave fused unset") as said, \
+            pytest.raises(PrepareError, match="not initialized"):
+        cpuddp.prepare(model, torch.optim.AdamW(model.parameters(), fused=True), shard="optimizer", ipex=False)
+    assert [w.filename for w in said if "leave fused unset" in str(w.message)] == [__file__]
 
 
 def test_object_collectives_work_without_numpy(monkeypatch):

@@ -1,6 +1,6 @@
 """train: what a training script calls once the group is formed.
 
-Owns: :func:`cpuddp.prepare` and its steps (:mod:`.prepare`; precision :mod:`.precision`,
+Owns: :func:`cpuddp.prepare` and its steps (:mod:`.prepare`; its arguments :mod:`.options`; precision :mod:`.precision`,
 optimizer :mod:`.optim`, gradient communication :mod:`.comm`, IPEX :mod:`.ipex`, the DDP wrap
 or FSDP2 and ``torch.compile`` :mod:`.distribute`; sharding :mod:`.shard` (FSDP2) and
 :mod:`.zero` (``shard="optimizer"``)), the gradient helpers for every

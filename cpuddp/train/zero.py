@@ -51,7 +51,7 @@ from cpuddp.errors import PrepareError
 
 from .zero_sync import WARN_AFTER, StateDictGate, agree_start, local_verdict
 
-__all__ = ["ELEMENTWISE", "UNFUSED_WHY", "ZeroStep", "check_zero_optimizer", "zero_hook", "zero_state"]
+__all__ = ["ELEMENTWISE", "UNFUSED_WHY", "ZeroStep", "zero_hook", "zero_state"]
 
 _log = logging.getLogger("cpuddp.prepare")
 
@@ -76,30 +76,6 @@ _ATTR = "_cpuddp_zero"
 UNFUSED_WHY = ("the fused CPU kernel rounds an element differently near the end of a tensor (its scalar tail), so "
                "stepping a whole parameter (the steps before the sharding starts, e.g. the first after a resume) "
                "and stepping this rank's piece of it would differ in the last bit; torch's foreach step does not")
-
-
-def check_zero_optimizer(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
-    """Raise :class:`PrepareError` unless ``optimizer`` can be sharded element-wise over ``model``."""
-    if optimizer is None:
-        raise PrepareError('shard="optimizer" shards the optimizer, but none was given.',
-                           fix="pass your optimizer: cpuddp.prepare(model, optimizer, shard=\"optimizer\")")
-    name = type(optimizer).__name__
-    if type(optimizer).__module__.split(".")[:2] != ["torch", "optim"] or name not in ELEMENTWISE:
-        raise PrepareError(
-            f'shard="optimizer" steps each rank\'s share of a parameter on its own, which is exact only '
-            f"for element-wise optimizers ({', '.join(ELEMENTWISE)} from torch.optim); got {name}.",
-            fix='use shard="full" (FSDP2 works with any optimizer), or one of those optimizers')
-    if any(g.get("fused") for g in optimizer.param_groups):
-        warnings.warn(f"cpuddp shard='optimizer' with fused=True: {UNFUSED_WHY}; a resumed run will not continue "
-                      "bit-identically. Fix: leave fused unset (cpuddp then keeps the foreach step)", RuntimeWarning,
-                      stacklevel=4)
-    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
-    if missing:
-        raise PrepareError(
-            f'shard="optimizer": trainable parameter(s) {missing[:3]} are not in the optimizer; their '
-            "gradients would never be applied (this rank keeps only its share of them).",
-            fix="give the optimizer every trainable parameter, or set requires_grad=False on the others")
 
 
 def zero_state(model: nn.Module) -> Optional["ZeroStep"]:
