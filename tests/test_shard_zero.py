@@ -57,6 +57,35 @@ def test_the_step_shard_optimizer_keeps_does_not_depend_on_the_pieces():
             assert torch.equal(a, b), cuts
 
 
+def test_the_plan_splits_a_bucket_into_shares_and_a_tail():
+    from cpuddp.train.zero_plan import ShardPlan, owner, plan_bucket
+
+    a, b = torch.zeros(3), torch.zeros(6)  # 9 elements over 2 ranks: 4 each, element 8 the tail
+    _, offsets, chunk, r0 = plan_bucket((a, b), 0, 2)
+    assert (offsets, chunk) == ([0, 3], 4)
+    assert [(p is a, lo, hi, s, t, tail) for p, lo, hi, s, t, tail in r0] == [
+        (True, 0, 3, 0, 3, False), (False, 0, 1, 3, 4, False), (False, 5, 6, 8, 9, True)]
+    _, _, _, r1 = plan_bucket((a, b), 1, 2)
+    assert [(lo, hi, s, t, tail) for _, lo, hi, s, t, tail in r1] == [(1, 5, 4, 8, False), (5, 6, 8, 9, True)]
+    assert [owner(start, 4, 2) for start in (0, 3, 4, 8)] == [0, 0, 1, 0]  # the tail: rank 0 speaks
+
+    # the state is cut to the pieces, the parameters move into one buffer, the groups swap for the step
+    p, q = nn.Parameter(torch.arange(3.0)), nn.Parameter(torch.arange(3.0, 9.0))
+    opt = torch.optim.SGD([p, q], lr=0.1, momentum=0.9)
+    opt.state[p] = {"momentum_buffer": torch.arange(3.0) * 10}
+    plan = ShardPlan.build(opt, {0: (p, q)}, {0: torch.arange(9.0)}, ("momentum_buffer",), rank=1, world=2)
+    bucket = plan.buckets[0]
+    assert p.data_ptr() == bucket.flat.data_ptr() and torch.equal(bucket.flat, torch.arange(9.0))
+    assert torch.equal(bucket.grad, torch.arange(4.0, 8.0)) and torch.equal(bucket.tail, torch.tensor([8.0]))
+    assert p not in opt.state  # rank 1 holds no piece of p: its state is gone here
+    q.grad = torch.zeros_like(q)
+    plan.step_groups(opt)
+    assert [t.tolist() for t in opt.param_groups[0]["params"]] == [[4.0, 5.0, 6.0, 7.0], [8.0]]
+    assert torch.equal(opt.param_groups[0]["params"][0].grad, torch.arange(4.0, 8.0))
+    plan.model_groups(opt)
+    assert opt.param_groups[0]["params"][0] is p and all(pc.tensor.grad is None for pc in bucket.pieces)
+
+
 # --------------------------------------------------------------------------- 2 real ranks: the state is split
 
 

@@ -3,7 +3,8 @@
 Owns: :func:`cpuddp.prepare` and its steps (:mod:`.prepare`; its arguments :mod:`.options`; precision :mod:`.precision`,
 optimizer :mod:`.optim`, gradient communication :mod:`.comm`, IPEX :mod:`.ipex`, the DDP wrap
 or FSDP2 and ``torch.compile`` :mod:`.distribute`; sharding :mod:`.shard` (FSDP2) and
-:mod:`.zero` (``shard="optimizer"``)), the gradient helpers for every
+:mod:`.zero` (``shard="optimizer"``; its plan :mod:`.zero_plan`, state dicts :mod:`.zero_dicts`,
+agreements :mod:`.zero_sync`)), the gradient helpers for every
 mode (:mod:`.grads`: ``clip_grad_norm_``, ``no_sync``), the loop
 helpers (:mod:`.loop`: autocast, metrics, the model's state dict; sharding data and its
 position :mod:`.data`), checkpoints (a file written atomically :mod:`.checkpoint`, a
