@@ -36,6 +36,11 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"public names": ("__init__",)},
 )
 
+#: train's subpackages, bottom first: each imports only those below it; the modules at train's top
+#: (prepare, loop, grads, progress) import any.
+TRAIN_LAYERS = ("common", "precision", "sharding", "checkpoint")
+
+
 def _module_files() -> dict[str, Path]:
     out = {}
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -142,11 +147,14 @@ def test_the_checks_can_fail(monkeypatch):
         yield from real(name)
         if name == "cpuddp.errors":
             yield "cpuddp.distributed", "init_distributed"
+        if name == "cpuddp.train.common.rank0":
+            yield "cpuddp.train.checkpoint.resume", "save_checkpoint"
 
     monkeypatch.setattr(f"{__name__}._imports", fake)
     with pytest.raises(AssertionError, match=r"cpuddp.errors \(base\) imports cpuddp.distributed"):
         test_no_area_imports_its_own_layer_or_one_above()
     assert "cpuddp.errors" in _cycle()
+    assert _train_upward(MODULES) == ["cpuddp.train.common.rank0 imports cpuddp.train.checkpoint.resume.save_checkpoint"]
 
 
 # --------------------------------------------------------------------------- the subpackages say so
@@ -162,12 +170,40 @@ def _may_import(package: str) -> set[str]:
     return set(re.findall(r"cpuddp\.([\w.]+)", match.group(1)))
 
 
+def _train_level(module: str) -> int:
+    """The layer of a module of train among :data:`TRAIN_LAYERS` (train's top: above them all)."""
+    parts = module.split(".")
+    sub = parts[2] if len(parts) > 3 or (len(parts) == 3 and MODULES[module].name == "__init__.py") else None
+    return TRAIN_LAYERS.index(sub) if sub in TRAIN_LAYERS else len(TRAIN_LAYERS)
+
+
+def _below(name: str, package: str) -> bool:
+    """Is ``name`` in a layer below ``package``'s (inside train: a lower subpackage)?"""
+    if _area(name) == _area(package) == "train":
+        return _train_level(name) < _train_level(package)
+    return _level(_area(name)) < _level(_area(package))
+
+
+def _train_upward(modules: dict[str, Path]) -> list[str]:
+    wrong = []
+    for module in (m for m in modules if m.startswith("cpuddp.train.")):
+        for target, taken in _imports(module):
+            if target.startswith("cpuddp.train.") and _train_level(target) > _train_level(module):
+                wrong.append(f"{module} imports {target}{'.' + taken if taken else ''}")
+    return wrong
+
+
+def test_train_subpackages_import_only_those_below():
+    assert set(TRAIN_LAYERS) == {m.split(".")[2] for m in SUBPACKAGES if m.startswith("cpuddp.train.")}
+    wrong = _train_upward(MODULES)
+    assert not wrong, "train: imports that point up or sideways (TRAIN_LAYERS):\n" + "\n".join(wrong)
+
+
 @pytest.mark.parametrize("package", SUBPACKAGES)
 def test_a_subpackage_imports_only_what_its_docstring_allows(package):
     allowed = {f"cpuddp.{n}" for n in _may_import(package)}
-    mine = _area(package)
     for name in allowed:
-        assert _level(_area(name)) < _level(mine), f"{package}'s docstring allows {name}, which is not below it"
+        assert _below(name, package), f"{package}'s docstring allows {name}, which is not below it"
     wrong = []
     for module in (m for m in MODULES if m == package or m.startswith(package + ".")):
         for target, _ in _imports(module):

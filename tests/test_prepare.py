@@ -12,15 +12,16 @@ import pytest
 import torch
 from torch import nn
 
-from cpuddp.train import ipex as _ipex
-from cpuddp.train import optim as prepare_optim
-from cpuddp.train import precision as prepare_precision
+from cpuddp.train.precision import ipex as _ipex
+from cpuddp.train.precision import optim as prepare_optim
+from cpuddp.train.precision import bf16 as prepare_precision
 from cpuddp.errors import PrepareError
-from cpuddp.train.comm import bf16_allreduce_hook
-from cpuddp.train.distribute import ddp_kwargs
-from cpuddp.train.options import PrepareOptions
-from cpuddp.train.precision import decide_precision
-from cpuddp.train.prepare import prepare, prepared_info, unwrap
+from cpuddp.train.common.comm import bf16_allreduce_hook
+from cpuddp.train.sharding.distribute import ddp_kwargs
+from cpuddp.train.sharding.options import PrepareOptions
+from cpuddp.train.precision.bf16 import decide_precision
+from cpuddp.train.sharding.distribute import unwrap
+from cpuddp.train.prepare import prepare, prepared_info
 
 # the module, not the function of the same name that ``cpuddp.prepare`` is
 prepare_mod = importlib.import_module("cpuddp.train.prepare")
@@ -557,7 +558,7 @@ def _ddp_checks() -> dict:
         dist.all_gather(gathered, flat)
         out[hook] = (prepared_info(dm).comm_hook, [str(x.message) for x in w], torch.equal(gathered[0], gathered[1]))
     # a bf16 hook the backend cannot run: the warning points at the user's prepare() call
-    from cpuddp.train import comm as comm_mod
+    from cpuddp.train.common import comm as comm_mod
 
     probe, comm_mod.bf16_allreduce_supported = comm_mod.bf16_allreduce_supported, lambda group: (False, "no")
     try:

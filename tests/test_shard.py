@@ -12,8 +12,8 @@ from torch import nn
 
 import cpuddp
 from cpuddp.errors import PrepareError
-from cpuddp.train.options import PrepareOptions
-from cpuddp.train.shard import (
+from cpuddp.train.sharding.options import PrepareOptions
+from cpuddp.train.sharding.shard import (
     LARGE,
     check_shardable,
     decide_mesh,
@@ -398,7 +398,7 @@ def test_bf16_full_and_optimizer_train(run_distributed):
 
 
 def test_shard_full_refuses_parameters_shared_across_blocks():
-    from cpuddp.train.shard import apply_full
+    from cpuddp.train.sharding.shard import apply_full
 
     tied = _Stack(tie=True)
 
@@ -414,7 +414,7 @@ def test_shard_full_refuses_parameters_shared_across_blocks():
 
 
 def test_the_default_policy_keeps_tied_leaves_in_the_root_group():
-    from cpuddp.train.shard import apply_full
+    from cpuddp.train.sharding.shard import apply_full
 
     tied = _Stack(tie=True, vocab=LARGE // 8 + 1)
     assert [n for n, _ in find_blocks(tied)] == ["embed", "layers.0", "layers.1", "layers.2", "head"]
@@ -430,7 +430,7 @@ def test_the_default_policy_keeps_tied_leaves_in_the_root_group():
 
 
 def test_running_allocator_reads_the_maps(tmp_path):
-    from cpuddp.train.shard import running_allocator
+    from cpuddp.train.sharding.shard import running_allocator
 
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")

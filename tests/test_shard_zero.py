@@ -13,7 +13,7 @@ from torch import nn
 
 import cpuddp
 from cpuddp.errors import PrepareError, RankFailedError
-from cpuddp.train.zero_sync import REASONS, WARN_AFTER, decide_start, local_verdict
+from cpuddp.train.sharding.zero_sync import REASONS, WARN_AFTER, decide_start, local_verdict
 
 # --------------------------------------------------------------------------- pure
 
@@ -58,7 +58,7 @@ def test_the_step_shard_optimizer_keeps_does_not_depend_on_the_pieces():
 
 
 def test_the_plan_splits_a_bucket_into_shares_and_a_tail():
-    from cpuddp.train.zero_plan import ShardPlan, owner, plan_bucket
+    from cpuddp.train.sharding.zero_plan import ShardPlan, owner, plan_bucket
 
     a, b = torch.zeros(3), torch.zeros(6)  # 9 elements over 2 ranks: 4 each, element 8 the tail
     _, offsets, chunk, r0 = plan_bucket((a, b), 0, 2)
@@ -266,7 +266,7 @@ def test_a_resumed_run_continues_bit_identically(run_distributed, tmp_path, shar
 
 
 def test_an_optimizer_fused_by_the_user_is_kept_with_a_warning(monkeypatch):
-    from cpuddp.train.shard import check_shardable
+    from cpuddp.train.sharding.shard import check_shardable
 
     model = nn.Linear(4, 2)
     with pytest.warns(RuntimeWarning, match="leave fused unset"):
@@ -288,7 +288,7 @@ def test_object_collectives_work_without_numpy(monkeypatch):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from cpuddp.train.objects import numpy_missing, without_numpy
+    from cpuddp.train.common.objects import numpy_missing, without_numpy
 
     def no_numpy(self):
         raise RuntimeError("Numpy is not available")

@@ -38,8 +38,8 @@ What it does, in order:
    failed to in some torch versions, pytorch issue 111131) and then registers cpuddp's own
    bf16 hook (torch refuses its ``bf16_compress_hook`` on CPU by the hook's name).
    ``shard="optimizer"`` keeps the DDP wrap with a reduce-scatter hook and shards the
-   optimizer (:mod:`cpuddp.train.zero`); ``shard="full"`` shards the model with FSDP2 instead
-   (:mod:`cpuddp.train.shard`: blocks, HSDP mesh, bf16 policy, the optimizer rebound).
+   optimizer (:mod:`cpuddp.train.sharding.zero`); ``shard="full"`` shards the model with FSDP2 instead
+   (:mod:`cpuddp.train.sharding.shard`: blocks, HSDP mesh, bf16 policy, the optimizer rebound).
 4. ``compile=True`` (or a dict of ``torch.compile`` keyword arguments) compiles the result.
 5. With bf16 active, the returned module's forward runs under
    ``torch.autocast("cpu", dtype=torch.bfloat16)`` (a forward pre-hook and an
@@ -49,15 +49,15 @@ What it does, in order:
 Calling prepare again on a prepared model (or on the module inside it) with the same
 arguments returns the prepared model unchanged; with different arguments it raises
 :class:`~cpuddp.errors.PrepareError`.  It never wraps twice.  :func:`prepared_info` tells
-what was decided and why; :func:`unwrap` returns the user's module.
+what was decided and why; :func:`~cpuddp.train.sharding.distribute.unwrap` returns the user's module.
 
 :func:`prepare` reads its keyword arguments once, into a frozen
-:class:`~cpuddp.train.options.PrepareOptions` (the one place they are checked), and hands that
+:class:`~cpuddp.train.sharding.options.PrepareOptions` (the one place they are checked), and hands that
 down whole.  The steps are small functions in this module, called in order by :func:`prepare` (each
-testable alone); the parts with their own subject live beside it: :mod:`cpuddp.train.precision`
-(bf16 probe, precision decision, autocast hooks), :mod:`cpuddp.train.optim` (fused-Adam
-decision, ``ipex.optimize``), :mod:`cpuddp.train.comm` (``comm_hook``, the bf16 hook) and
-:mod:`cpuddp.train.distribute` (the DDP wrap or FSDP2, the gradient hook, ``torch.compile``).
+testable alone); the parts with their own subject live beside it: :mod:`cpuddp.train.precision.bf16`
+(bf16 probe, precision decision, autocast hooks), :mod:`cpuddp.train.precision.optim` (fused-Adam
+decision, ``ipex.optimize``), :mod:`cpuddp.train.common.comm` (``comm_hook``, the bf16 hook) and
+:mod:`cpuddp.train.sharding.distribute` (the DDP wrap or FSDP2, the gradient hook, ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -77,20 +77,19 @@ from torch import nn
 from cpuddp.errors import PrepareError
 from cpuddp.ranks import get_rank
 
-from .comm import bf16_allreduce_hook, bf16_allreduce_supported
-from .distribute import compile_model, distribute
-from .optim import fuse_optimizer, ipex_optimize
-from .options import Precision, PrepareOptions, Shard, ShardScope
-from .precision import cpu_bf16_support, decide_precision
-from .precision_trial import add_precision_hooks
-from .shard import check_shardable
-from .zero import UNFUSED_WHY, zero_state
+from .common.comm import bf16_allreduce_hook, bf16_allreduce_supported
+from .precision.bf16 import cpu_bf16_support, decide_precision
+from .precision.optim import fuse_optimizer, ipex_optimize
+from .precision.precision_trial import add_precision_hooks
+from .sharding.distribute import compile_model, distribute, unwrap
+from .sharding.options import Precision, PrepareOptions, Shard, ShardScope
+from .sharding.shard import check_shardable
+from .sharding.zero import UNFUSED_WHY, zero_state
 
 __all__ = [
     "prepare",
     "PrepareInfo",
     "prepared_info",
-    "unwrap",
     "cpu_bf16_support",
     "decide_precision",
     "bf16_allreduce_supported",
@@ -155,23 +154,7 @@ def _none() -> None:
     return None
 
 
-# --------------------------------------------------------------------------- unwrap / info
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP and ``torch.compile`` wrappers (any nesting)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    seen = 0
-    while seen < 16:
-        seen += 1
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
-            model = model._orig_mod  # torch._dynamo OptimizedModule
-        else:
-            break
-    return model
+# --------------------------------------------------------------------------- info
 
 
 def _record(model: nn.Module) -> Optional[_Record]:
@@ -243,7 +226,7 @@ def _choose_path(ipex: Optional[bool], notes: list[str], shard: Optional[Shard] 
     """The IPEX probe when the IPEX path is taken, else None (the stock path; always with ``shard``)."""
     if ipex is False:
         return None
-    from . import ipex as _ipex
+    from .precision import ipex as _ipex
 
     probe = _ipex.probe()
     if ipex is True and not probe.usable:
@@ -297,7 +280,7 @@ def _ipex_weight_dtype(ipex_mod: Any, dtype: Optional[torch.dtype], all_reduces:
     several ranks) the backend all-reduces bf16; else fp32 weights under bf16 autocast."""
     if dtype is None:
         return None
-    from . import ipex as _ipex
+    from .precision import ipex as _ipex
 
     ok, why = _ipex.bf16_weights(ipex_mod)
     if ok and all_reduces:
@@ -312,7 +295,7 @@ def _ipex_weight_dtype(ipex_mod: Any, dtype: Optional[torch.dtype], all_reduces:
 
 def _optimize_with_ipex(probe: Any, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                         dtype: Optional[torch.dtype], all_reduces: bool, group: Any, notes: list[str]) -> nn.Module:
-    from . import ipex as _ipex
+    from .precision import ipex as _ipex
 
     ipex_mod = _ipex.load()
     weight_dtype = _ipex_weight_dtype(ipex_mod, dtype, all_reduces, group, notes)
@@ -324,7 +307,7 @@ def _optimize_with_ipex(probe: Any, model: nn.Module, optimizer: Optional[torch.
 def _fuse_step(optimizer: Optional[torch.optim.Optimizer], fused_optimizer: bool, shard: Optional[Shard],
                notes: list[str]) -> bool:
     """The stock path: the fused-Adam switch, when there is an optimizer and it is wanted (not with
-    shard="optimizer": :data:`cpuddp.train.zero.UNFUSED_WHY`)."""
+    shard="optimizer": :data:`cpuddp.train.sharding.zero.UNFUSED_WHY`)."""
     if optimizer is None or not fused_optimizer:
         return False
     if shard == "optimizer":
@@ -444,13 +427,13 @@ def prepare(
 
     Returns the module to train.  ``optimizer`` may be omitted (inference, evaluation).
     ``mixed_precision``: None/"fp32", "bf16", or "auto" (the faster, timed on the first steps:
-    :mod:`cpuddp.train.precision_trial`).  ``strict``: raise
+    :mod:`cpuddp.train.precision.precision_trial`).  ``strict``: raise
     :class:`PrepareError` instead of warning when bf16 (or a bf16 comm hook) cannot be had.
     ``ipex``: None uses IPEX when a matching one is installed, True requires it, False
     never uses it.  ``ddp``: None wraps when the world size is above 1 and a parameter
     requires grad.  ``shard``: None (DDP), "optimizer" (gradients and optimizer state
     sharded) or "full" (FSDP2; ``shard_blocks`` names the blocks, ``shard_scope`` "node"
-    or "world"): :mod:`cpuddp.train.shard`.  See the module docstring for the rest.
+    or "world"): :mod:`cpuddp.train.sharding.shard`.  See the module docstring for the rest.
     """
     _check_module(model)
     options = PrepareOptions(  # the one place the arguments are read and checked; passed down whole

@@ -101,7 +101,7 @@ def decide_precision(
     ``mixed_precision="bf16"`` on a CPU without native bf16 falls back to fp32 with a
     warning, or raises :class:`PrepareError` when ``strict`` is true.  ``"auto"`` is bf16 as
     a candidate where the CPU has it (the first steps then measure both:
-    :mod:`cpuddp.train.precision_trial`), else fp32 without measuring.
+    :mod:`cpuddp.train.precision.precision_trial`), else fp32 without measuring.
     """
     check_mixed_precision(mixed_precision)
     dtype = PRECISIONS[mixed_precision]

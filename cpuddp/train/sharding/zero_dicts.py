@@ -1,10 +1,10 @@
 """``shard="optimizer"``: the optimizer's whole state dict from every rank's pieces, and a whole
-state dict cut back to them (:mod:`cpuddp.train.zero_plan` holds the pieces).
+state dict cut back to them (:mod:`cpuddp.train.sharding.zero_plan` holds the pieces).
 
 Per-element values (``exp_avg``, ...) are all-gathered bucket by bucket; per-parameter numbers
 (``step``, ...) come from the rank holding the parameter's first element.  What each parameter
 has is agreed first (one all-reduce per bucket), so every rank makes the same calls whatever it
-holds.  Each function here is a collective: every rank calls it (:class:`~cpuddp.train.zero_sync.StateDictGate`
+holds.  Each function here is a collective: every rank calls it (:class:`~cpuddp.train.sharding.zero_sync.StateDictGate`
 sees to that first).
 """
 

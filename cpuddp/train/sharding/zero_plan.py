@@ -9,7 +9,7 @@ settled layout out: it cuts the optimizer state to the pieces first, then moves 
 parameters into its flat buffer (``p.data`` a view of it), so the whole state is freed before
 the buffers are allocated.  Between steps the optimizer's param groups hold the model's
 parameters; for the step they hold the pieces (:meth:`ShardPlan.step_groups`, :meth:`ShardPlan.model_groups`).
-:mod:`cpuddp.train.zero` runs the hook and the step over the plan.
+:mod:`cpuddp.train.sharding.zero` runs the hook and the step over the plan.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ pre/post hooks -- so DDP keeps its buckets, their order and the overlap with bac
   Element-wise optimizers only (Adam, AdamW, SGD, ...): a piece is stepped on its own.
 * **The first steps run as DDP.**  DDP rebuilds its buckets once, after the first iteration.
   Until every rank has seen the same bucket layout in two steps in a row (they agree before each
-  step: :mod:`cpuddp.train.zero_sync`), the hook all-reduces (sum, then divide: the sharded
+  step: :mod:`cpuddp.train.sharding.zero_sync`), the hook all-reduces (sum, then divide: the sharded
   steps' arithmetic) and the optimizer steps every parameter; at the next step the parameters
   move into their buffers and the optimizer state is cut to this rank's pieces
   (``prepared_info(...).sharded_since_step``).  A whole parameter and its pieces step to the
@@ -27,15 +27,15 @@ pre/post hooks -- so DDP keeps its buckets, their order and the overlap with bac
   (:data:`UNFUSED_WHY`).
 * **State dicts.**  Between steps the optimizer's param groups hold the model's parameters, and
   its ``state_dict()``/``load_state_dict()`` -- collectives once sharded (``state_dict()``
-  first waits for every rank in the store: :class:`~cpuddp.train.zero_sync.StateDictGate`) --
+  first waits for every rank in the store: :class:`~cpuddp.train.sharding.zero_sync.StateDictGate`) --
   give and take the whole, unsharded state as DDP's optimizer would, so ``torch.distributed.checkpoint.state_dict``
   (``get_state_dict``/``set_state_dict``) and plain ``torch.save`` work, across world sizes.
 
 The pieces, one job each: this module runs the hook and the step (:class:`ZeroStep`);
-:mod:`cpuddp.train.zero_sync` tracks DDP's bucket layout and when the ranks agree to shard
-(:class:`~cpuddp.train.zero_sync.BucketLayout`) and gates ``state_dict()``;
-:mod:`cpuddp.train.zero_plan` is the shard plan (buckets, pieces, the state cut to them);
-:mod:`cpuddp.train.zero_dicts` gathers the whole state dict from the pieces.
+:mod:`cpuddp.train.sharding.zero_sync` tracks DDP's bucket layout and when the ranks agree to shard
+(:class:`~cpuddp.train.sharding.zero_sync.BucketLayout`) and gates ``state_dict()``;
+:mod:`cpuddp.train.sharding.zero_plan` is the shard plan (buckets, pieces, the state cut to them);
+:mod:`cpuddp.train.sharding.zero_dicts` gathers the whole state dict from the pieces.
 
 Costs: the same bytes on the wire as DDP's all-reduce (a reduce-scatter plus an all-gather), the
 optimizer's work and state divided by the world size, no copy of parameters or gradients.

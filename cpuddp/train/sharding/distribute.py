@@ -2,9 +2,10 @@
 gradient communication, then ``torch.compile`` it when asked.
 
 :func:`distribute` takes what prepare decided (the shard mode in effect, whether to wrap, bf16
-parameters) and prepare's :class:`~cpuddp.train.options.PrepareOptions`; it returns the outer module and the name of the
+parameters) and prepare's :class:`~cpuddp.train.sharding.options.PrepareOptions`; it returns the outer module and the name of the
 gradient hook.  :func:`ddp_kwargs` is the ``DistributedDataParallel`` call's keyword arguments:
 cpuddp's CPU defaults, then the user's.  :func:`compile_model` applies ``compile=``.
+:func:`unwrap` undoes the wrap: the user's module inside DDP and ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from torch import nn
 
 from cpuddp.errors import PrepareError
 
-from .comm import register_hook
-from .layout import gather_places
-from .objects import without_numpy
+from ..common.comm import register_hook
+from ..common.layout import gather_places
+from ..common.objects import without_numpy
 from .options import PrepareOptions, Shard
 from .shard import apply_full
 from .zero import ZeroStep
 
-__all__ = ["distribute", "ddp_kwargs", "compile_model"]
+__all__ = ["distribute", "ddp_kwargs", "compile_model", "unwrap"]
 
 
 def ddp_kwargs(options: PrepareOptions) -> dict[str, Any]:
@@ -87,6 +88,22 @@ def compile_model(module: nn.Module, compile: Union[bool, Mapping[str, Any]]) ->
         return module, False
     ckw = dict(compile) if isinstance(compile, Mapping) else {}
     return torch.compile(module, **ckw), True  # type: ignore[return-value]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP and ``torch.compile`` wrappers (any nesting)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    seen = 0
+    while seen < 16:
+        seen += 1
+        if isinstance(model, DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
+            model = model._orig_mod  # torch._dynamo OptimizedModule
+        else:
+            break
+    return model
 
 
 def distribute(core: nn.Module, optimizer: Optional[torch.optim.Optimizer], shard: Optional[Shard], do_ddp: bool,

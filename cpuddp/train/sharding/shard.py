@@ -2,7 +2,7 @@
 
 * ``shard=None``: DDP (every rank holds and steps everything).
 * ``shard="optimizer"``: DDP with a reduce-scatter gradient hook; each rank steps its share of
-  every parameter and keeps only that share's optimizer state (:mod:`cpuddp.train.zero`).
+  every parameter and keeps only that share's optimizer state (:mod:`cpuddp.train.sharding.zero`).
 * ``shard="full"``: FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and
   optimizer state sharded; each *block* is gathered for its forward and backward and freed
   after.  bf16 through ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``.
@@ -10,7 +10,7 @@
 
 What is decided here, each a pure function tested alone: whether the model and the optimizer
 can be sharded as they are (:func:`check_shardable`; the request itself is checked when
-prepare's options are built: :mod:`cpuddp.train.options`), which modules are blocks (:func:`find_blocks`; default: the
+prepare's options are built: :mod:`cpuddp.train.sharding.options`), which modules are blocks (:func:`find_blocks`; default: the
 repeated layers of a ``ModuleList`` -- transformer blocks -- and ``nn.TransformerEncoderLayer``/
 ``DecoderLayer``, then any remaining ``Linear``/``Embedding`` of at least :data:`LARGE` parameters;
 ``shard_blocks=`` names them instead), and the mesh (:func:`decide_mesh`).  What is done:
@@ -195,7 +195,7 @@ def _check_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, s
 
 def _check_elementwise(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
     """shard="optimizer": an element-wise torch.optim optimizer holding every trainable parameter
-    (:mod:`cpuddp.train.zero`); a fused one is kept, with a warning at the user's prepare() call."""
+    (:mod:`cpuddp.train.sharding.zero`); a fused one is kept, with a warning at the user's prepare() call."""
     if optimizer is None:
         raise PrepareError('shard="optimizer" shards the optimizer, but none was given.',
                            fix="pass your optimizer: cpuddp.prepare(model, optimizer, shard=\"optimizer\")")

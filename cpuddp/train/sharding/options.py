@@ -4,10 +4,10 @@
 passes it down whole (the precision step, the optimizer step, the DDP wrap or FSDP2): nothing
 below reads the keyword arguments, and no step renames one.  Building it is the one place the
 arguments are checked (:meth:`PrepareOptions.__post_init__`): the precision name
-(:func:`~cpuddp.train.precision.check_mixed_precision`), the hook (:func:`~cpuddp.train.comm.check_comm_hook`)
+(:func:`~cpuddp.train.precision.bf16.check_mixed_precision`), the hook (:func:`~cpuddp.train.common.comm.check_comm_hook`)
 and the ``shard=`` request against the others (:func:`check_shard_request`), each a
 :class:`~cpuddp.errors.PrepareError` naming the argument, its value and the fix.  What needs the
-model and the optimizer is checked when prepare has them (:func:`cpuddp.train.shard.check_shardable`).
+model and the optimizer is checked when prepare has them (:func:`cpuddp.train.sharding.shard.check_shardable`).
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from typing import Any, Callable, Literal, Optional, Union
 
 from cpuddp.errors import PrepareError
 
-from .comm import check_comm_hook
-from .precision import check_mixed_precision
+from ..common.comm import check_comm_hook
+from ..precision.bf16 import check_mixed_precision
 
 __all__ = ["PrepareOptions", "Shard", "Precision", "ShardScope", "SHARD_MODES", "DDP_OPTIONS", "check_shard_request"]
 
-#: ``shard=``: None (DDP), ``"optimizer"`` (ZeRO-2: :mod:`cpuddp.train.zero`) or ``"full"`` (FSDP2).
+#: ``shard=``: None (DDP), ``"optimizer"`` (ZeRO-2: :mod:`cpuddp.train.sharding.zero`) or ``"full"`` (FSDP2).
 Shard = Literal["optimizer", "full"]
 SHARD_MODES = (None, "optimizer", "full")
-#: ``mixed_precision=``: None, "no" and "fp32" are fp32; "auto" times both (:mod:`cpuddp.train.precision_trial`).
+#: ``mixed_precision=``: None, "no" and "fp32" are fp32; "auto" times both (:mod:`cpuddp.train.precision.precision_trial`).
 Precision = Literal["no", "fp32", "bf16", "auto"]
 #: ``shard_scope=`` with ``shard="full"``: shard within each node (HSDP across nodes), or across every rank.
 ShardScope = Literal["node", "world"]
@@ -46,7 +46,7 @@ class PrepareOptions:
     compile: Union[bool, Mapping[str, Any]] = False
     ddp: Optional[bool] = None
     shard: Optional[Shard] = None
-    shard_blocks: Any = None  # cpuddp.train.shard.BlockSpec: classes, class names or (name, module) -> bool
+    shard_blocks: Any = None  # cpuddp.train.sharding.shard.BlockSpec: classes, class names or (name, module) -> bool
     shard_scope: Optional[ShardScope] = None
     bucket_cap_mb: Optional[float] = None
     static_graph: bool = False

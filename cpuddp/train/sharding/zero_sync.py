@@ -1,5 +1,5 @@
 """``shard="optimizer"``: what the ranks agree on before they act -- when sharding starts, and
-that every rank is in ``optimizer.state_dict()`` (:mod:`cpuddp.train.zero` does the sharding).
+that every rank is in ``optimizer.state_dict()`` (:mod:`cpuddp.train.sharding.zero` does the sharding).
 
 **When sharding starts.**  DDP rebuilds its gradient buckets once, after the first iteration;
 the optimizer is sharded over the buckets' layout once it has settled.  Each step before

@@ -150,7 +150,7 @@ def hold_directory(directory: str, *, load: bool = False) -> None:
             "directory would prune and resume each other's checkpoints)", path=directory,
             fix="give each job a checkpoint directory of its own, or wait for that job to end (a job holds "
                 "its directory until its process exits; a process done with it, such as a notebook, hands it "
-                "on with cpuddp.train.ckpt_lock.release_directory(directory))") from None
+                "on with cpuddp.train.checkpoint.ckpt_lock.release_directory(directory))") from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"host": hostname(), "pid": os.getpid(), "since": time.time()}).encode(), 0)
     _HELD[_key(directory)] = fd
