@@ -260,7 +260,7 @@ OWNERS = {
     "STORE_FIX": "cpuddp.launchers.store_values",
     "agree_backend": "cpuddp.backends.forming", "agree_inter": "cpuddp.backends.forming",
     "BenchConfig": "cpuddp.bench.config", "RunConfig": "cpuddp.run.command",
-    "DoctorConfig": "cpuddp.doctor.command",
+    "DoctorConfig": "cpuddp.doctor.command", "PrepareOptions": "cpuddp.train.sharding.options",
 }
 
 #: The command-line edges: only they parse arguments; below them a typed config travels.
