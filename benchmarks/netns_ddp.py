@@ -67,7 +67,7 @@ def rank_main(args: argparse.Namespace) -> None:
         torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))
     ddp = DDP(model)
     if args.hook != "none":
-        from cpuddp.train.comm import register_hook
+        from cpuddp.train.common.comm import register_hook
 
         assert register_hook(ddp, args.hook, None, True, []) == args.hook
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)

@@ -220,7 +220,7 @@ def rank_main(a: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import cpuddp
-    from cpuddp.train.shard import running_allocator
+    from cpuddp.train.sharding.shard import running_allocator
 
     cpuddp.init_distributed(backend="gloo" if a.case.endswith("-gloo") else a.backend)
     rank, world = dist.get_rank(), dist.get_world_size()

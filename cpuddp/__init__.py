@@ -49,9 +49,9 @@ _EXPORTS = {
     "prepare": "train.prepare",
     "PrepareInfo": "train.prepare",
     "prepared_info": "train.prepare",
-    "unwrap": "train.prepare",
-    "shard": "train.data",
-    "ShardedLoader": "train.data",
+    "unwrap": "train.sharding.distribute",
+    "shard": "train.common.data",
+    "ShardedLoader": "train.common.data",
     "autocast_for": "train.loop",
     "reduce_mean": "train.loop",
     "is_main_process": "train.loop",
@@ -60,8 +60,8 @@ _EXPORTS = {
     "load_state_dict": "train.loop",
     "clip_grad_norm_": "train.grads",
     "no_sync": "train.grads",
-    "save_checkpoint": "train.resume",
-    "load_checkpoint": "train.resume",
+    "save_checkpoint": "train.checkpoint.resume",
+    "load_checkpoint": "train.checkpoint.resume",
     "Progress": "train.progress",
     "ProgressSummary": "train.progress",
     # backends
@@ -129,7 +129,7 @@ if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
     from .launchers.env import DistEnv
     from .launchers.registry import detect, register_launcher
     from .ranks import get_local_rank, get_local_world_size, get_rank, get_world_size, log0, print0
-    from .train.data import ShardedLoader, shard
+    from .train.common.data import ShardedLoader, shard
     from .train.loop import (
         autocast_for,
         barrier,
@@ -139,6 +139,7 @@ if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
         save_state_dict,
     )
     from .train.grads import clip_grad_norm_, no_sync
-    from .train.prepare import PrepareInfo, prepare, prepared_info, unwrap
-    from .train.resume import load_checkpoint, save_checkpoint
+    from .train.sharding.distribute import unwrap
+    from .train.prepare import PrepareInfo, prepare, prepared_info
+    from .train.checkpoint.resume import load_checkpoint, save_checkpoint
     from .train.progress import Progress, ProgressSummary

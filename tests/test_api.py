@@ -214,3 +214,25 @@ def test_a_name_its_module_rebinds_is_never_stale_at_the_door():
     finally:
         launchers.unregister_launcher("test_site")
     assert "test_site" not in dict(launchers.READERS)
+
+
+def test_every_cpuddp_train_path_the_docs_name_imports():
+    """docs/ and README name some of train's modules by path (``cpuddp.train.loop``,
+    ``cpuddp.train.ckpt_lock.release_directory``): each still imports, its name included."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    texts = [p.read_text() for p in [*sorted((root / "docs").glob("*.md")), root / "README.md"]]
+    named = sorted({m for text in texts for m in re.findall(r"cpuddp\.train(?:\.\w+)+", text)})
+    assert "cpuddp.train.loop" in named, "the scan found none of the paths docs/prepare.md names: it is broken"
+    for path in named:
+        parts = path.split(".")
+        for cut in range(len(parts), 1, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ModuleNotFoundError:
+                continue
+        for attr in parts[cut:]:
+            assert hasattr(obj, attr), f"the docs name {path}, but {'.'.join(parts[:cut])} has no {attr}"
+            obj = getattr(obj, attr)

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from cpuddp.topology.here import hostname
-from cpuddp.train.ckpt_lock import hold_directory, release_directory
-from cpuddp.train.resume import list_checkpoints, load_checkpoint, save_checkpoint
+from cpuddp.train.checkpoint.ckpt_lock import hold_directory, release_directory
+from cpuddp.train.checkpoint.resume import list_checkpoints, load_checkpoint, save_checkpoint
 
 # --------------------------------------------------------------------------- two jobs, one directory
 
@@ -93,7 +93,7 @@ def test_a_load_beside_a_running_writer_reads_the_newest_and_names_the_writer(tm
 
 
 def _hold_in_child(directory: str) -> str:
-    code = "import sys\nfrom cpuddp.train.ckpt_lock import hold_directory\nhold_directory(sys.argv[1])\nprint('held')"
+    code = "import sys\nfrom cpuddp.train.checkpoint.ckpt_lock import hold_directory\nhold_directory(sys.argv[1])\nprint('held')"
     res = subprocess.run([sys.executable, "-c", code, directory], capture_output=True, text=True, timeout=60)
     return res.stdout.strip() or res.stderr.strip().splitlines()[-2]
 

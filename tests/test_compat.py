@@ -109,7 +109,7 @@ def test_init_refuses_a_torch_older_than_the_floor(monkeypatch):
     ],
 )
 def test_torch_pairing_is_one_rule(version, torch, ok, built_for):
-    from cpuddp.train import ipex as _ipex
+    from cpuddp.train.precision import ipex as _ipex
     from cpuddp.backends import ccl_pairing
 
     pairing = _compat.torch_pairing(version, torch)

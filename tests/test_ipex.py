@@ -21,9 +21,10 @@ import torch
 from packaging.version import Version
 from torch import nn
 
-from cpuddp.train import ipex as _ipex
+from cpuddp.train.precision import ipex as _ipex
 from cpuddp.errors import PrepareError
-from cpuddp.train.prepare import prepare, prepared_info, unwrap
+from cpuddp.train.sharding.distribute import unwrap
+from cpuddp.train.prepare import prepare, prepared_info
 from cpuddp.topology import cpu_features, read_topology
 
 IPEX = _ipex.probe()
@@ -56,7 +57,7 @@ import dataclasses, json, sys
 import torch
 from torch import nn
 import cpuddp
-from cpuddp.train import ipex as _ipex
+from cpuddp.train.precision import ipex as _ipex
 from cpuddp.errors import PrepareError
 
 out = {"probe": dataclasses.asdict(_ipex.probe())}

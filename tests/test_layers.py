@@ -36,6 +36,11 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"public names": ("__init__",)},
 )
 
+#: train's subpackages, bottom first: each imports only those below it; the modules at train's top
+#: (prepare, loop, grads, progress) import any.
+TRAIN_LAYERS = ("common", "precision", "sharding", "checkpoint")
+
+
 def _module_files() -> dict[str, Path]:
     out = {}
     for path in sorted(PACKAGE.rglob("*.py")):
@@ -142,11 +147,14 @@ def test_the_checks_can_fail(monkeypatch):
         yield from real(name)
         if name == "cpuddp.errors":
             yield "cpuddp.distributed", "init_distributed"
+        if name == "cpuddp.train.common.rank0":
+            yield "cpuddp.train.checkpoint.resume", "save_checkpoint"
 
     monkeypatch.setattr(f"{__name__}._imports", fake)
     with pytest.raises(AssertionError, match=r"cpuddp.errors \(base\) imports cpuddp.distributed"):
         test_no_area_imports_its_own_layer_or_one_above()
     assert "cpuddp.errors" in _cycle()
+    assert _train_upward(MODULES) == ["cpuddp.train.common.rank0 imports cpuddp.train.checkpoint.resume.save_checkpoint"]
 
 
 # --------------------------------------------------------------------------- the subpackages say so
@@ -162,12 +170,40 @@ def _may_import(package: str) -> set[str]:
     return set(re.findall(r"cpuddp\.([\w.]+)", match.group(1)))
 
 
+def _train_level(module: str) -> int:
+    """The layer of a module of train among :data:`TRAIN_LAYERS` (train's top: above them all)."""
+    parts = module.split(".")
+    sub = parts[2] if len(parts) > 3 or (len(parts) == 3 and MODULES[module].name == "__init__.py") else None
+    return TRAIN_LAYERS.index(sub) if sub in TRAIN_LAYERS else len(TRAIN_LAYERS)
+
+
+def _below(name: str, package: str) -> bool:
+    """Is ``name`` in a layer below ``package``'s (inside train: a lower subpackage)?"""
+    if _area(name) == _area(package) == "train":
+        return _train_level(name) < _train_level(package)
+    return _level(_area(name)) < _level(_area(package))
+
+
+def _train_upward(modules: dict[str, Path]) -> list[str]:
+    wrong = []
+    for module in (m for m in modules if m.startswith("cpuddp.train.")):
+        for target, taken in _imports(module):
+            if target.startswith("cpuddp.train.") and _train_level(target) > _train_level(module):
+                wrong.append(f"{module} imports {target}{'.' + taken if taken else ''}")
+    return wrong
+
+
+def test_train_subpackages_import_only_those_below():
+    assert set(TRAIN_LAYERS) == {m.split(".")[2] for m in SUBPACKAGES if m.startswith("cpuddp.train.")}
+    wrong = _train_upward(MODULES)
+    assert not wrong, "train: imports that point up or sideways (TRAIN_LAYERS):\n" + "\n".join(wrong)
+
+
 @pytest.mark.parametrize("package", SUBPACKAGES)
 def test_a_subpackage_imports_only_what_its_docstring_allows(package):
     allowed = {f"cpuddp.{n}" for n in _may_import(package)}
-    mine = _area(package)
     for name in allowed:
-        assert _level(_area(name)) < _level(mine), f"{package}'s docstring allows {name}, which is not below it"
+        assert _below(name, package), f"{package}'s docstring allows {name}, which is not below it"
     wrong = []
     for module in (m for m in MODULES if m == package or m.startswith(package + ".")):
         for target, _ in _imports(module):
@@ -224,7 +260,7 @@ OWNERS = {
     "STORE_FIX": "cpuddp.launchers.store_values",
     "agree_backend": "cpuddp.backends.decide",
     "BenchConfig": "cpuddp.bench.config", "RunConfig": "cpuddp.run.command",
-    "DoctorConfig": "cpuddp.doctor.command",
+    "DoctorConfig": "cpuddp.doctor.command", "PrepareOptions": "cpuddp.train.sharding.options",
 }
 
 #: The command-line edges: only they parse arguments; below them a typed config travels.
@@ -425,6 +461,33 @@ def test_only_the_command_line_edges_parse_arguments():
     assert not wrong, f"argparse below the edges (pass a typed config instead): {wrong}"
 
 
+def _untyped_options(sources: dict[str, str]) -> list[str]:
+    """Parameters named ``options`` in cpuddp/train whose annotation is no typed, frozen config:
+    missing, or a mapping (``Mapping``, ``dict``, ``Any``).  prepare() reads its keyword arguments
+    once into ``PrepareOptions`` and hands that down (docs/code.md: a frozen config built once)."""
+    loose = ("Mapping", "dict", "Dict", "Any")
+    wrong = []
+    for module, source in sources.items():
+        if not module.startswith("cpuddp.train."):
+            continue
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, *filter(None, (a.vararg, a.kwarg))]:
+                if arg.arg != "options":
+                    continue
+                note = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if not note or any(word in note for word in loose):
+                    wrong.append(f"{module}:{node.lineno} takes options: {note or '(no annotation)'}")
+    return wrong
+
+
+def test_train_passes_its_options_typed():
+    wrong = _untyped_options(SOURCES)
+    assert not wrong, "an untyped options mapping crosses cpuddp/train (pass PrepareOptions):\n" + "\n".join(wrong)
+
+
 def test_the_owner_checks_can_fail():
     made_up = {
         "cpuddp.train.made_up": (
@@ -451,3 +514,8 @@ def test_the_owner_checks_can_fail():
     assert _globals(made_up) and _globals(made_up, "cpuddp.train.made_up")
     assert len(_names_written_twice(made_up)) == 2
     assert _argparse_users(made_up) == ["cpuddp.run.made_up", "cpuddp.train.made_up"]
+    loose = {"cpuddp.train.made_up": "def f(options: Mapping[str, Any]): pass\ndef g(x, options): pass\n"
+                                     "def h(*, options: dict): pass\ndef k(options: PrepareOptions): pass\n",
+             "cpuddp.run.made_up": "def f(options: dict): pass\n"}
+    assert [w.split(" takes")[0] for w in _untyped_options(loose)] == [
+        "cpuddp.train.made_up:1", "cpuddp.train.made_up:2", "cpuddp.train.made_up:3"]

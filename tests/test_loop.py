@@ -25,7 +25,8 @@ from cpuddp.train.loop import (
     save_state_dict,
     shard,
 )
-from cpuddp.train.prepare import prepare, prepared_info, unwrap
+from cpuddp.train.sharding.distribute import unwrap
+from cpuddp.train.prepare import prepare, prepared_info
 
 from example_util import EXAMPLES, example_env, paraphrase_data
 

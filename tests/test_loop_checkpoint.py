@@ -1,4 +1,4 @@
-"""cpuddp.train.checkpoint and save_state_dict's files: no temporary file outlives a failed or
+"""cpuddp.train.checkpoint.atomic and save_state_dict's files: no temporary file outlives a failed or
 killed save, the old checkpoint stays loadable, and only dead saves' files of this user are
 ever removed.  The killed save is a real process, SIGKILLed while it writes."""
 
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from cpuddp.train.loop import load_state_dict, save_state_dict
-from cpuddp.train.checkpoint import is_temp_name, remove_leftovers, write_atomically
+from cpuddp.train.checkpoint.atomic import is_temp_name, remove_leftovers, write_atomically
 
 
 def _temps(directory) -> list[str]:

@@ -20,9 +20,9 @@ def _notes() -> dict:
     from torch import nn
 
     import cpuddp
-    import cpuddp.train.precision as precision
+    import cpuddp.train.precision.bf16 as precision
     import cpuddp.train.prepare as prepare_mod
-    import cpuddp.train.shard as shard_mod
+    import cpuddp.train.sharding.shard as shard_mod
 
     no_bf16 = (lambda: (False, "CPU has neither AMX nor AVX512-BF16 (this test says so)"))
     precision.cpu_bf16_support = no_bf16  # autocast_for's decision

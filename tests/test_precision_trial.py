@@ -15,7 +15,7 @@ from torch import nn
 
 from cpuddp.errors import PrepareError
 from cpuddp.train import prepare as prepare_mod
-from cpuddp.train.precision_trial import DEFAULT_STEPS, ENV, PrecisionTrial, schedule, trial_steps, verdict
+from cpuddp.train.precision.precision_trial import DEFAULT_STEPS, ENV, PrecisionTrial, schedule, trial_steps, verdict
 from cpuddp.train.prepare import prepare, prepared_info
 
 

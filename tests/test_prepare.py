@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 import pickle
 import warnings
@@ -11,14 +12,16 @@ import pytest
 import torch
 from torch import nn
 
-from cpuddp.train import ipex as _ipex
-from cpuddp.train import optim as prepare_optim
-from cpuddp.train import precision as prepare_precision
+from cpuddp.train.precision import ipex as _ipex
+from cpuddp.train.precision import optim as prepare_optim
+from cpuddp.train.precision import bf16 as prepare_precision
 from cpuddp.errors import PrepareError
-from cpuddp.train.comm import bf16_allreduce_hook
-from cpuddp.train.distribute import ddp_kwargs
-from cpuddp.train.precision import decide_precision
-from cpuddp.train.prepare import prepare, prepared_info, unwrap
+from cpuddp.train.common.comm import bf16_allreduce_hook
+from cpuddp.train.sharding.distribute import ddp_kwargs
+from cpuddp.train.sharding.options import PrepareOptions
+from cpuddp.train.precision.bf16 import decide_precision
+from cpuddp.train.sharding.distribute import unwrap
+from cpuddp.train.prepare import prepare, prepared_info
 
 # the module, not the function of the same name that ``cpuddp.prepare`` is
 prepare_mod = importlib.import_module("cpuddp.train.prepare")
@@ -185,13 +188,13 @@ def test_fusion_decision_is_pure_and_says_why():
 def test_already_prepared_step():
     model = _mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert prepare_mod._already_prepared(model, opt, {}) is None  # never prepared
+    assert prepare_mod._already_prepared(model, opt, PrepareOptions()) is None  # never prepared
     out = prepare(model, opt, ipex=False)
     options = prepared_info(out).options
     assert prepare_mod._already_prepared(model, None, options) is out
     assert prepare_mod._already_prepared(out, opt, options) is out
     with pytest.raises(PrepareError, match="already prepared"):
-        prepare_mod._already_prepared(out, opt, {**options, "static_graph": True})
+        prepare_mod._already_prepared(out, opt, dataclasses.replace(options, static_graph=True))
     with pytest.raises(PrepareError, match="already prepared"):
         prepare_mod._already_prepared(out, torch.optim.SGD(model.parameters(), lr=0.1), options)
 
@@ -206,13 +209,11 @@ def test_check_bare_cpu_module_step():
 
 
 def test_ddp_kwargs_step():
-    base = dict(static_graph=False, find_unused_parameters=False, process_group=None,
-                broadcast_buffers=None, bucket_cap_mb=None, ddp_kwargs={})
-    kw = ddp_kwargs(base)
+    kw = ddp_kwargs(PrepareOptions())
     assert kw == dict(device_ids=None, gradient_as_bucket_view=True, static_graph=False,
                       find_unused_parameters=False, process_group=None)  # no broadcast_buffers unless given
-    kw = ddp_kwargs({**base, "broadcast_buffers": False, "bucket_cap_mb": 4,
-                                  "ddp_kwargs": {"gradient_as_bucket_view": False}})
+    kw = ddp_kwargs(PrepareOptions(broadcast_buffers=False, bucket_cap_mb=4,
+                                   ddp_kwargs={"gradient_as_bucket_view": False}))
     assert kw["broadcast_buffers"] is False and kw["bucket_cap_mb"] == 4
     assert kw["gradient_as_bucket_view"] is False  # the user's ddp_kwargs win
 
@@ -557,7 +558,7 @@ def _ddp_checks() -> dict:
         dist.all_gather(gathered, flat)
         out[hook] = (prepared_info(dm).comm_hook, [str(x.message) for x in w], torch.equal(gathered[0], gathered[1]))
     # a bf16 hook the backend cannot run: the warning points at the user's prepare() call
-    from cpuddp.train import comm as comm_mod
+    from cpuddp.train.common import comm as comm_mod
 
     probe, comm_mod.bf16_allreduce_supported = comm_mod.bf16_allreduce_supported, lambda group: (False, "no")
     try:

@@ -12,15 +12,14 @@ from torch import nn
 
 import cpuddp
 from cpuddp.errors import PrepareError
-from cpuddp.train.shard import (
+from cpuddp.train.sharding.options import PrepareOptions
+from cpuddp.train.sharding.shard import (
     LARGE,
-    check_shard_request,
     check_shardable,
     decide_mesh,
     find_blocks,
     shared_across_blocks,
 )
-from cpuddp.train.zero import check_zero_optimizer
 
 STEPS = 50
 RTOL = 1e-5
@@ -52,17 +51,9 @@ class _Stack(nn.Module):
 # --------------------------------------------------------------------------- the request (pure)
 
 
-def _opts(**kw):
-    base = dict(ipex=None, ddp=None, compile=False, comm_hook=None, bucket_cap_mb=None, static_graph=False,
-                find_unused_parameters=False, broadcast_buffers=None, ddp_kwargs={}, shard_blocks=None,
-                shard_scope=None)
-    base.update(kw)
-    return base
-
-
 @pytest.mark.parametrize("shard", [None, "optimizer", "full"])
 def test_valid_requests_pass(shard):
-    check_shard_request(shard, _opts())
+    assert PrepareOptions(shard=shard).shard == shard
 
 
 @pytest.mark.parametrize("shard, options, words", [
@@ -81,7 +72,7 @@ def test_valid_requests_pass(shard):
 ])
 def test_bad_requests_name_the_argument_and_the_fix(shard, options, words):
     with pytest.raises(PrepareError) as info:
-        check_shard_request(shard, _opts(**options))
+        PrepareOptions(shard=shard, **options)
     for word in words:
         assert word in str(info.value)
 
@@ -196,18 +187,19 @@ def test_an_optimizer_over_foreign_tensors_is_refused():
 def test_shard_optimizer_needs_an_elementwise_optimizer_holding_every_parameter():
     model = _mlp()
     with pytest.raises(PrepareError, match="none was given"):
-        check_zero_optimizer(model, None)
+        check_shardable(model, None, "optimizer")
     with pytest.raises(PrepareError, match="element-wise.*got LBFGS.*\nFix: use shard=\"full\""):
-        check_zero_optimizer(model, torch.optim.LBFGS(model.parameters()))
+        check_shardable(model, torch.optim.LBFGS(model.parameters()), "optimizer")
 
     class MyAdam(torch.optim.Adam):
         pass
 
     with pytest.raises(PrepareError, match="got MyAdam"):
-        check_zero_optimizer(model, MyAdam(model.parameters()))
+        check_shardable(model, MyAdam(model.parameters()), "optimizer")
     with pytest.raises(PrepareError, match=r"\['4.weight', '4.bias'\] are not in the optimizer"):
-        check_zero_optimizer(model, torch.optim.AdamW(list(model.parameters())[:4]))
-    check_zero_optimizer(model, torch.optim.AdamW(model.parameters()))
+        check_shardable(model, torch.optim.AdamW(list(model.parameters())[:4]), "optimizer")
+    check_shardable(model, torch.optim.AdamW(model.parameters()), "optimizer")
+    check_shardable(model, torch.optim.LBFGS(model.parameters()), "full")  # FSDP2 takes any optimizer
 
 
 @pytest.mark.parametrize("shard", ["optimizer", "full"])
@@ -406,7 +398,7 @@ def test_bf16_full_and_optimizer_train(run_distributed):
 
 
 def test_shard_full_refuses_parameters_shared_across_blocks():
-    from cpuddp.train.shard import apply_full
+    from cpuddp.train.sharding.shard import apply_full
 
     tied = _Stack(tie=True)
 
@@ -422,7 +414,7 @@ def test_shard_full_refuses_parameters_shared_across_blocks():
 
 
 def test_the_default_policy_keeps_tied_leaves_in_the_root_group():
-    from cpuddp.train.shard import apply_full
+    from cpuddp.train.sharding.shard import apply_full
 
     tied = _Stack(tie=True, vocab=LARGE // 8 + 1)
     assert [n for n, _ in find_blocks(tied)] == ["embed", "layers.0", "layers.1", "layers.2", "head"]
@@ -438,7 +430,7 @@ def test_the_default_policy_keeps_tied_leaves_in_the_root_group():
 
 
 def test_running_allocator_reads_the_maps(tmp_path):
-    from cpuddp.train.shard import running_allocator
+    from cpuddp.train.sharding.shard import running_allocator
 
     maps = tmp_path / "maps"
     maps.write_text("7f00-7f01 r-xp 0 08:01 1 /usr/lib/x86_64-linux-gnu/libc.so.6\n")

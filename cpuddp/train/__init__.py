@@ -1,16 +1,14 @@
 """train: what a training script calls once the group is formed.
 
-Owns: :func:`cpuddp.prepare` and its steps (:mod:`.prepare`; precision :mod:`.precision`,
-optimizer :mod:`.optim`, gradient communication :mod:`.comm`, IPEX :mod:`.ipex`, the DDP wrap
-or FSDP2 and ``torch.compile`` :mod:`.distribute`; sharding :mod:`.shard` (FSDP2) and
-:mod:`.zero` (``shard="optimizer"``)), the gradient helpers for every
-mode (:mod:`.grads`: ``clip_grad_norm_``, ``no_sync``), the loop
-helpers (:mod:`.loop`: autocast, metrics, the model's state dict; sharding data and its
-position :mod:`.data`), checkpoints (a file written atomically :mod:`.checkpoint`, a
-directory :mod:`.ckpt_dirs`, whose checkpoints :mod:`.ckpt_index`, one writer
-:mod:`.ckpt_lock`, safe places and full disks :mod:`.paths`, rank 0's I/O
-:mod:`.rank0`), the training checkpoint (:mod:`.resume`, :mod:`.resume_io`, random state
-:mod:`.rng`) and :class:`cpuddp.Progress` (:mod:`.progress`).
+Owns: :func:`cpuddp.prepare` as a list of named steps (:mod:`.prepare`), the loop helpers
+(:mod:`.loop`: autocast, metrics, the model's state dict), the gradient helpers for every
+``shard=`` mode (:mod:`.grads`: ``clip_grad_norm_``, ``no_sync``), :class:`cpuddp.Progress`
+(:mod:`.progress`); and, in subpackages, bottom first: what the rest stands on
+(:mod:`.common`: rank 0's I/O, object collectives, each rank's places, the data sharding, the
+gradient hooks), the arithmetic (:mod:`.precision`: bf16, the trial, IPEX, the fused optimizer),
+the spreading over the ranks (:mod:`.sharding`: prepare's options, DDP, FSDP2, ``shard="optimizer"``)
+and the training checkpoint (:mod:`.checkpoint`).  A subpackage imports only those below it;
+the modules at the top import any.
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp._compat`, :mod:`cpuddp._units`,
 :mod:`cpuddp._package`, :mod:`cpuddp.topology`, :mod:`cpuddp.affinity`, :mod:`cpuddp.ranks`.
 """

@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .prepare import unwrap
-from .shard import is_fsdp
-from .zero import ZeroStep, zero_state
+from .sharding.distribute import unwrap
+from .sharding.shard import is_fsdp
+from .sharding.zero import ZeroStep, zero_state
 
 __all__ = ["clip_grad_norm_", "no_sync"]
 

@@ -1,4 +1,4 @@
-"""Helpers for a plain training loop: autocast, metrics, rank 0 I/O (sharding: :mod:`.data`).
+"""Helpers for a plain training loop: autocast, metrics, rank 0 I/O (sharding: :mod:`.common.data`).
 
 Every helper works with or without an initialized process group (then the world is one
 process), so the same script runs as ``python train.py``, under ``torchrun`` and under
@@ -14,7 +14,7 @@ process), so the same script runs as ``python train.py``, under ``torchrun`` and
 
 ``save_state_dict``/``load_state_dict`` keep the model's weights only; a run that should
 resume where it stopped saves everything with :func:`cpuddp.save_checkpoint`
-(:mod:`.resume`).
+(:mod:`.checkpoint.resume`).
 """
 
 from __future__ import annotations
@@ -32,12 +32,13 @@ from cpuddp.errors import CheckpointError, PrepareError
 from cpuddp.ranks import get_rank
 from cpuddp.ranks import group_rank_world as _rank_world
 
-from . import precision
-from .checkpoint import write_atomically
-from .data import ShardedLoader, shard
-from .paths import open_own_file, state_nbytes
-from .prepare import prepared_info, unwrap
-from .rank0 import global_rank0, on_rank0
+from .checkpoint.atomic import write_atomically
+from .checkpoint.paths import open_own_file, state_nbytes
+from .common.data import ShardedLoader, shard
+from .common.rank0 import global_rank0, on_rank0
+from .precision import bf16 as precision
+from .prepare import prepared_info
+from .sharding.distribute import unwrap
 
 __all__ = [
     "ShardedLoader",
@@ -198,8 +199,8 @@ def save_state_dict(model: nn.Module, path: Union[str, os.PathLike], *, group: A
     checkpoint or the new one, never a mix; the file is fsynced before the rename and the
     directory after it, and is readable by this user only (mode 0600).  A failed save removes
     its temporary file (``.cpuddp-<name>.*.pt``); the next save removes those of saves that
-    were killed (:mod:`cpuddp.train.checkpoint`).  A directory another user can change is
-    refused (``check_permissions=False``: a warning instead; :mod:`cpuddp.train.paths`); a
+    were killed (:mod:`cpuddp.train.checkpoint.atomic`).  A directory another user can change is
+    refused (``check_permissions=False``: a warning instead; :mod:`cpuddp.train.checkpoint.paths`); a
     full disk says "no space left", with the path and the size.  The model only: the
     optimizer, scheduler, step and data position go in :func:`cpuddp.save_checkpoint`.
     """
@@ -219,7 +220,7 @@ def save_state_dict(model: nn.Module, path: Union[str, os.PathLike], *, group: A
 
 
 def read_state(path: str, check_permissions: bool = True) -> Any:
-    """``torch.load`` of a file this user owns (:func:`cpuddp.train.paths.open_own_file`), tensors only."""
+    """``torch.load`` of a file this user owns (:func:`cpuddp.train.checkpoint.paths.open_own_file`), tensors only."""
     with open_own_file(path, check_permissions=check_permissions, stacklevel=5) as f:
         return torch.load(f, map_location="cpu", weights_only=True)
 

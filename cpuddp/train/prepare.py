@@ -38,8 +38,8 @@ What it does, in order:
    failed to in some torch versions, pytorch issue 111131) and then registers cpuddp's own
    bf16 hook (torch refuses its ``bf16_compress_hook`` on CPU by the hook's name).
    ``shard="optimizer"`` keeps the DDP wrap with a reduce-scatter hook and shards the
-   optimizer (:mod:`cpuddp.train.zero`); ``shard="full"`` shards the model with FSDP2 instead
-   (:mod:`cpuddp.train.shard`: blocks, HSDP mesh, bf16 policy, the optimizer rebound).
+   optimizer (:mod:`cpuddp.train.sharding.zero`); ``shard="full"`` shards the model with FSDP2 instead
+   (:mod:`cpuddp.train.sharding.shard`: blocks, HSDP mesh, bf16 policy, the optimizer rebound).
 4. ``compile=True`` (or a dict of ``torch.compile`` keyword arguments) compiles the result.
 5. With bf16 active, the returned module's forward runs under
    ``torch.autocast("cpu", dtype=torch.bfloat16)`` (a forward pre-hook and an
@@ -49,13 +49,15 @@ What it does, in order:
 Calling prepare again on a prepared model (or on the module inside it) with the same
 arguments returns the prepared model unchanged; with different arguments it raises
 :class:`~cpuddp.errors.PrepareError`.  It never wraps twice.  :func:`prepared_info` tells
-what was decided and why; :func:`unwrap` returns the user's module.
+what was decided and why; :func:`~cpuddp.train.sharding.distribute.unwrap` returns the user's module.
 
-The steps are small functions in this module, called in order by :func:`prepare` (each
-testable alone); the parts with their own subject live beside it: :mod:`cpuddp.train.precision`
-(bf16 probe, precision decision, autocast hooks), :mod:`cpuddp.train.optim` (fused-Adam
-decision, ``ipex.optimize``), :mod:`cpuddp.train.comm` (``comm_hook``, the bf16 hook) and
-:mod:`cpuddp.train.distribute` (the DDP wrap or FSDP2, the gradient hook, ``torch.compile``).
+:func:`prepare` reads its keyword arguments once, into a frozen
+:class:`~cpuddp.train.sharding.options.PrepareOptions` (the one place they are checked), and hands that
+down whole.  The steps are small functions in this module, called in order by :func:`prepare` (each
+testable alone); the parts with their own subject live beside it: :mod:`cpuddp.train.precision.bf16`
+(bf16 probe, precision decision, autocast hooks), :mod:`cpuddp.train.precision.optim` (fused-Adam
+decision, ``ipex.optimize``), :mod:`cpuddp.train.common.comm` (``comm_hook``, the bf16 hook) and
+:mod:`cpuddp.train.sharding.distribute` (the DDP wrap or FSDP2, the gradient hook, ``torch.compile``).
 """
 
 from __future__ import annotations
@@ -75,19 +77,19 @@ from torch import nn
 from cpuddp.errors import PrepareError
 from cpuddp.ranks import get_rank
 
-from .comm import bf16_allreduce_hook, bf16_allreduce_supported, check_comm_hook
-from .distribute import compile_model, distribute
-from .optim import fuse_optimizer, ipex_optimize
-from .precision import cpu_bf16_support, decide_precision
-from .precision_trial import add_precision_hooks
-from .shard import check_shard_request, check_shardable
-from .zero import UNFUSED_WHY, check_zero_optimizer, zero_state
+from .common.comm import bf16_allreduce_hook, bf16_allreduce_supported
+from .precision.bf16 import cpu_bf16_support, decide_precision
+from .precision.optim import fuse_optimizer, ipex_optimize
+from .precision.precision_trial import add_precision_hooks
+from .sharding.distribute import compile_model, distribute, unwrap
+from .sharding.options import Precision, PrepareOptions, Shard, ShardScope
+from .sharding.shard import check_shardable
+from .sharding.zero import UNFUSED_WHY, zero_state
 
 __all__ = [
     "prepare",
     "PrepareInfo",
     "prepared_info",
-    "unwrap",
     "cpu_bf16_support",
     "decide_precision",
     "bf16_allreduce_supported",
@@ -118,7 +120,7 @@ class PrepareInfo:
     #: while it is not (shard=None, or shard="optimizer" before DDP's buckets settle: see ``notes``).
     sharded_since_step: Optional[int] = None
     notes: tuple[str, ...] = ()
-    options: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    options: Optional[PrepareOptions] = field(default=None, compare=False, repr=False)  # the arguments as given
 
     @property
     def optimizer_sharded(self) -> bool:
@@ -152,23 +154,7 @@ def _none() -> None:
     return None
 
 
-# --------------------------------------------------------------------------- unwrap / info
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module inside DDP and ``torch.compile`` wrappers (any nesting)."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    seen = 0
-    while seen < 16:
-        seen += 1
-        if isinstance(model, DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), nn.Module):
-            model = model._orig_mod  # torch._dynamo OptimizedModule
-        else:
-            break
-    return model
+# --------------------------------------------------------------------------- info
 
 
 def _record(model: nn.Module) -> Optional[_Record]:
@@ -197,7 +183,7 @@ def prepared_info(model: nn.Module) -> Optional[PrepareInfo]:
 
 
 def _already_prepared(
-    model: nn.Module, optimizer: Optional[torch.optim.Optimizer], options: Mapping[str, Any]
+    model: nn.Module, optimizer: Optional[torch.optim.Optimizer], options: PrepareOptions
 ) -> Optional[nn.Module]:
     """Idempotency: the prepared model when ``model`` was prepared with the same arguments,
     None when it was never prepared; :class:`PrepareError` for other arguments/optimizer."""
@@ -236,11 +222,11 @@ def _world_size(group: Any) -> int:
     return 1
 
 
-def _choose_path(ipex: Optional[bool], notes: list[str], sharding: Optional[str] = None) -> Optional[Any]:
-    """The IPEX probe when the IPEX path is taken, else None (the stock path; always when sharding)."""
+def _choose_path(ipex: Optional[bool], notes: list[str], shard: Optional[Shard] = None) -> Optional[Any]:
+    """The IPEX probe when the IPEX path is taken, else None (the stock path; always with ``shard``)."""
     if ipex is False:
         return None
-    from . import ipex as _ipex
+    from .precision import ipex as _ipex
 
     probe = _ipex.probe()
     if ipex is True and not probe.usable:
@@ -250,15 +236,15 @@ def _choose_path(ipex: Optional[bool], notes: list[str], sharding: Optional[str]
         )
     if not probe.usable and probe.ipex_version is not None:
         notes.append(f"IPEX not used: {probe.reason}")
-    if probe.usable and sharding is not None:
-        notes.append(f"IPEX not used: shard={sharding!r} steps torch's own optimizer")
+    if probe.usable and shard is not None:
+        notes.append(f"IPEX not used: shard={shard!r} steps torch's own optimizer")
         return None
     return probe if probe.usable else None
 
 
-def _sharding(shard: Optional[str], world: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-              notes: list[str]) -> Optional[str]:
-    """The shard mode in effect, its objects checked; None at world size 1 (one log line)."""
+def _shard(shard: Optional[Shard], world: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+           notes: list[str]) -> Optional[Shard]:
+    """The shard mode in effect, the model and optimizer checked for it; None at world size 1 (one log line)."""
     if shard is None:
         return None
     if world == 1:
@@ -266,8 +252,6 @@ def _sharding(shard: Optional[str], world: int, model: nn.Module, optimizer: Opt
         notes.append(f"shard={shard!r} not applied: world size 1")
         return None
     check_shardable(model, optimizer, shard)
-    if shard == "optimizer":
-        check_zero_optimizer(model, optimizer)
     return shard
 
 
@@ -296,7 +280,7 @@ def _ipex_weight_dtype(ipex_mod: Any, dtype: Optional[torch.dtype], all_reduces:
     several ranks) the backend all-reduces bf16; else fp32 weights under bf16 autocast."""
     if dtype is None:
         return None
-    from . import ipex as _ipex
+    from .precision import ipex as _ipex
 
     ok, why = _ipex.bf16_weights(ipex_mod)
     if ok and all_reduces:
@@ -311,7 +295,7 @@ def _ipex_weight_dtype(ipex_mod: Any, dtype: Optional[torch.dtype], all_reduces:
 
 def _optimize_with_ipex(probe: Any, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
                         dtype: Optional[torch.dtype], all_reduces: bool, group: Any, notes: list[str]) -> nn.Module:
-    from . import ipex as _ipex
+    from .precision import ipex as _ipex
 
     ipex_mod = _ipex.load()
     weight_dtype = _ipex_weight_dtype(ipex_mod, dtype, all_reduces, group, notes)
@@ -320,13 +304,13 @@ def _optimize_with_ipex(probe: Any, model: nn.Module, optimizer: Optional[torch.
     return model
 
 
-def _fuse_step(optimizer: Optional[torch.optim.Optimizer], fused_optimizer: bool, sharding: Optional[str],
+def _fuse_step(optimizer: Optional[torch.optim.Optimizer], fused_optimizer: bool, shard: Optional[Shard],
                notes: list[str]) -> bool:
     """The stock path: the fused-Adam switch, when there is an optimizer and it is wanted (not with
-    shard="optimizer": :data:`cpuddp.train.zero.UNFUSED_WHY`)."""
+    shard="optimizer": :data:`cpuddp.train.sharding.zero.UNFUSED_WHY`)."""
     if optimizer is None or not fused_optimizer:
         return False
-    if sharding == "optimizer":
+    if shard == "optimizer":
         notes.append(f"optimizer: left unfused with shard='optimizer': {UNFUSED_WHY}")
         return False
     fused, why = fuse_optimizer(optimizer)
@@ -336,25 +320,25 @@ def _fuse_step(optimizer: Optional[torch.optim.Optimizer], fused_optimizer: bool
 
 
 def _optimize(probe: Any, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], dtype: Optional[torch.dtype],
-              options: Mapping[str, Any], all_reduces: bool, sharding: Optional[str],
+              options: PrepareOptions, all_reduces: bool, shard: Optional[Shard],
               notes: list[str]) -> tuple[nn.Module, bool]:
     """The IPEX path when ``probe`` says so, else the stock one: ``(model, fused optimizer?)``."""
     if probe is None:
-        return model, _fuse_step(optimizer, options["fused_optimizer"], sharding, notes)
-    ipex_dtype = dtype if options["mixed_precision"] == "bf16" else None  # "auto" measures fp32 too: fp32 weights
-    model = _optimize_with_ipex(probe, model, optimizer, ipex_dtype, all_reduces, options["process_group"], notes)
+        return model, _fuse_step(optimizer, options.fused_optimizer, shard, notes)
+    ipex_dtype = dtype if options.mixed_precision == "bf16" else None  # "auto" measures fp32 too: fp32 weights
+    model = _optimize_with_ipex(probe, model, optimizer, ipex_dtype, all_reduces, options.process_group, notes)
     return model, False
 
 
 def _precision_hooks(outer: nn.Module, core: nn.Module, dtype: Optional[torch.dtype], reason: str, measure: bool,
-                     options: Mapping[str, Any]) -> tuple[Optional[str], str]:
+                     options: PrepareOptions) -> tuple[Optional[str], str]:
     """The forward under autocast when bf16 is on (the trial first, when ``measure``): the
     precision in force and why."""
     if dtype is None:
         return None, reason
     # "auto" and "bf16" measure both precisions first (precision_trial.py)
-    precision, why = add_precision_hooks(outer, dtype, options["output_fp32"], requested=options["mixed_precision"],
-                                         group=options["process_group"], measure=measure,
+    precision, why = add_precision_hooks(outer, dtype, options.output_fp32, requested=options.mixed_precision,
+                                         group=options.process_group, measure=measure,
                                          on_decide=lambda bf16, decided: _decided(core, bf16, decided))
     return precision, why or reason
 
@@ -375,38 +359,40 @@ def _decided(core: nn.Module, bf16: bool, reason: str) -> None:
         rec.info = dataclasses.replace(rec.info, mixed_precision="bf16" if bf16 else None, precision_reason=reason)
 
 
-def _prepared_again(model: Any, optimizer: Optional[torch.optim.Optimizer],
-                    options: Mapping[str, Any]) -> Optional[nn.Module]:
-    """The checks before any step: the prepared model when ``model`` was prepared with these
-    arguments (None when it was not); :class:`PrepareError` for what prepare cannot take."""
+def _check_module(model: Any) -> None:
+    """The first check: prepare takes a module (before its arguments are checked)."""
     if not isinstance(model, nn.Module):
         raise PrepareError(f"prepare() needs a torch.nn.Module. Got {type(model).__name__} instead.")
+
+
+def _prepared_again(model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+                    options: PrepareOptions) -> Optional[nn.Module]:
+    """The checks before any step: the prepared model when ``model`` was prepared with these
+    arguments (None when it was not); :class:`PrepareError` for a model prepare cannot take."""
     again = _already_prepared(model, optimizer, options)
     if again is not None:
         return again
     _check_bare_cpu_module(model)
-    check_comm_hook(options["comm_hook"])
-    check_shard_request(options["shard"], options)
     return None
 
 
-def _info(options: Mapping[str, Any], probe: Any, world: int, sharding: Optional[str], ddp: bool, *,
+def _info(options: PrepareOptions, probe: Any, world: int, shard: Optional[Shard], ddp: bool, *,
           precision: Optional[str], precision_reason: str, fused: bool, hook_name: Optional[str], compiled: bool,
           notes: list[str]) -> PrepareInfo:
-    """What prepare decided, for :func:`prepared_info` (``options``: the arguments as given)."""
+    """What prepare decided, for :func:`prepared_info` (``shard``: the mode in effect)."""
     return PrepareInfo(
         path="ipex" if probe is not None else "stock",
         mixed_precision=precision,
-        requested_precision=options["mixed_precision"],
+        requested_precision=options.mixed_precision,
         precision_reason=precision_reason,
         fused_optimizer=fused,
-        ddp=ddp and sharding != "full",
+        ddp=ddp and shard != "full",
         world_size=world,
         comm_hook=hook_name,
         compiled=compiled,
         ipex_version=probe.ipex_version if probe is not None else None,
-        shard=sharding,
-        sharded_since_step=1 if sharding == "full" else None,  # shard="optimizer": the live value, prepared_info
+        shard=shard,
+        sharded_since_step=1 if shard == "full" else None,  # shard="optimizer": the live value, prepared_info
         notes=tuple(notes),
         options=options,
     )
@@ -419,15 +405,15 @@ def prepare(
     model: nn.Module,
     optimizer: Optional[torch.optim.Optimizer] = None,
     *,
-    mixed_precision: Optional[str] = None,
+    mixed_precision: Optional[Precision] = None,
     strict: bool = False,
     ipex: Optional[bool] = None,
     fused_optimizer: bool = True,
     compile: Union[bool, Mapping[str, Any]] = False,
     ddp: Optional[bool] = None,
-    shard: Optional[str] = None,
+    shard: Optional[Shard] = None,
     shard_blocks: Any = None,
-    shard_scope: Optional[str] = None,
+    shard_scope: Optional[ShardScope] = None,
     bucket_cap_mb: Optional[float] = None,
     static_graph: bool = False,
     find_unused_parameters: bool = False,
@@ -441,37 +427,37 @@ def prepare(
 
     Returns the module to train.  ``optimizer`` may be omitted (inference, evaluation).
     ``mixed_precision``: None/"fp32", "bf16", or "auto" (the faster, timed on the first steps:
-    :mod:`cpuddp.train.precision_trial`).  ``strict``: raise
+    :mod:`cpuddp.train.precision.precision_trial`).  ``strict``: raise
     :class:`PrepareError` instead of warning when bf16 (or a bf16 comm hook) cannot be had.
     ``ipex``: None uses IPEX when a matching one is installed, True requires it, False
     never uses it.  ``ddp``: None wraps when the world size is above 1 and a parameter
     requires grad.  ``shard``: None (DDP), "optimizer" (gradients and optimizer state
     sharded) or "full" (FSDP2; ``shard_blocks`` names the blocks, ``shard_scope`` "node"
-    or "world"): :mod:`cpuddp.train.shard`.  See the module docstring for the rest.
+    or "world"): :mod:`cpuddp.train.sharding.shard`.  See the module docstring for the rest.
     """
-    options = dict(
+    _check_module(model)
+    options = PrepareOptions(  # the one place the arguments are read and checked; passed down whole
         mixed_precision=mixed_precision, strict=strict, ipex=ipex, fused_optimizer=fused_optimizer, compile=compile,
         ddp=ddp, shard=shard, shard_blocks=shard_blocks, shard_scope=shard_scope, bucket_cap_mb=bucket_cap_mb,
         static_graph=static_graph, find_unused_parameters=find_unused_parameters, broadcast_buffers=broadcast_buffers,
-        comm_hook=comm_hook, output_fp32=output_fp32, process_group=process_group, ddp_kwargs=dict(ddp_kwargs or {}),
+        comm_hook=comm_hook, output_fp32=output_fp32, process_group=process_group, ddp_kwargs=ddp_kwargs,
     )
-    again = _prepared_again(model, optimizer, options)
-    if again is not None:
+    if (again := _prepared_again(model, optimizer, options)) is not None:
         return again
 
     notes: list[str] = []
-    world = _world_size(process_group)
-    sharding = _sharding(shard, world, model, optimizer, notes)
-    probe = _choose_path(ipex, notes, sharding)
-    dtype, precision_reason = _choose_precision(mixed_precision, strict)  # may warn: called from here
-    do_ddp = decide_ddp(ddp, world_size=world, wants_grad=any(p.requires_grad for p in model.parameters()))
-    core, fused = _optimize(probe, model, optimizer, dtype, options, do_ddp and world > 1, sharding, notes)
-    bf16_params = sharding == "full" and dtype is not None and mixed_precision == "bf16"
-    outer, hook_name = distribute(core, optimizer, sharding, do_ddp, bf16_params, options, notes)
-    outer, compiled = compile_model(outer, compile)
-    measure = (probe is None or mixed_precision == "auto") and not bf16_params
+    world = _world_size(options.process_group)
+    shard = _shard(options.shard, world, model, optimizer, notes)  # the mode in effect: None at world size 1
+    probe = _choose_path(options.ipex, notes, shard)
+    dtype, precision_reason = _choose_precision(options.mixed_precision, options.strict)  # may warn: called from here
+    do_ddp = decide_ddp(options.ddp, world_size=world, wants_grad=any(p.requires_grad for p in model.parameters()))
+    core, fused = _optimize(probe, model, optimizer, dtype, options, do_ddp and world > 1, shard, notes)
+    bf16_params = shard == "full" and dtype is not None and options.mixed_precision == "bf16"
+    outer, hook_name = distribute(core, optimizer, shard, do_ddp, bf16_params, options, notes)
+    outer, compiled = compile_model(outer, options.compile)
+    measure = (probe is None or options.mixed_precision == "auto") and not bf16_params
     precision, precision_reason = _precision_hooks(outer, core, dtype, precision_reason, measure, options)
-    info = _info(options, probe, world, sharding, do_ddp, precision=precision, precision_reason=precision_reason,
+    info = _info(options, probe, world, shard, do_ddp, precision=precision, precision_reason=precision_reason,
                  fused=fused, hook_name=hook_name, compiled=compiled, notes=notes)
     _remember(info, core, outer, optimizer)
     return outer

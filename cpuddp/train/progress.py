@@ -7,7 +7,7 @@
     summary = progress.close()        # steps, seconds, samples_per_s, loss
 
 It starts with a header line: each rank's CPUs and threads (gathered by
-:func:`cpuddp.prepare` when it wraps the model in DDP; :mod:`cpuddp.train.layout`)::
+:func:`cpuddp.prepare` when it wraps the model in DDP; :mod:`cpuddp.train.common.layout`)::
 
     2 rank(s): rank 0 CPU 0 (1 thread), rank 1 CPU 1 (1 thread)
 
@@ -43,7 +43,7 @@ from typing import IO, Callable, Optional, Union
 
 from cpuddp.ranks import get_rank
 
-from .layout import places_line
+from .common.layout import places_line
 
 __all__ = ["Progress", "ProgressSummary", "format_duration"]
 

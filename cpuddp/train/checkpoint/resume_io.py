@@ -2,7 +2,7 @@
 through ``torch.distributed.checkpoint.state_dict`` (parameter names as keys, DTensor shards
 for a ``fully_shard`` model), a sharded checkpoint through ``torch.distributed.checkpoint``
 (DCP) into a directory every rank writes, and the rest (scheduler, scaler, data position,
-random state) through their own ``state_dict``.  :mod:`cpuddp.train.resume` is the door.
+random state) through their own ``state_dict``.  :mod:`cpuddp.train.checkpoint.resume` is the door.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from torch import nn
 from cpuddp.errors import CheckpointError
 from cpuddp.ranks import group_rank_world
 
+from ..common.rank0 import on_rank0
 from . import rng
-from .checkpoint import write_atomically
+from .atomic import write_atomically
 from .ckpt_dirs import TempDir, finish, make_temp_dir, read_token
 from .paths import is_space_error, space_error, state_nbytes
-from .rank0 import on_rank0
 
 __all__ = ["gather_state", "apply_state", "save_sharded", "load_sharded", "TRAINER_FILE"]
 
@@ -119,7 +119,7 @@ def save_sharded(target: str, tensors: Mapping[str, Any], trainer: dict[str, Any
     last) are the door's."""
     import torch.distributed.checkpoint as dcp
 
-    from .objects import without_numpy
+    from ..common.objects import without_numpy
 
     without_numpy()  # DCP plans through torch's object collectives
     held: list[TempDir] = []
@@ -159,7 +159,7 @@ def load_sharded(where: str, core: nn.Module, optimizer: Any, group: Any) -> dic
     the layout and world size that saved it (DCP reshards)."""
     import torch.distributed.checkpoint as dcp
 
-    from .objects import without_numpy
+    from ..common.objects import without_numpy
 
     without_numpy()  # DCP plans through torch's object collectives
     model_sd, optim_sd = gather_state(core, optimizer)

@@ -46,7 +46,7 @@ from torch import nn
 from cpuddp.errors import PrepareError
 from cpuddp.ranks import group_rank_world
 
-from .precision import AutocastHooks
+from .bf16 import AutocastHooks
 
 __all__ = ["PrecisionTrial", "add_precision_hooks", "trial_steps", "verdict", "DEFAULT_STEPS", "MARGIN", "WARM",
            "BLOCK", "EARLY", "ENV"]
@@ -195,7 +195,7 @@ class PrecisionTrial(AutocastHooks):
             return None
         ctx.__exit__(None, None, None)
         if self.output_fp32 and output is not None:
-            from .precision import to_fp32
+            from .bf16 import to_fp32
 
             return to_fp32(output)
         return None
@@ -208,8 +208,8 @@ def add_precision_hooks(module: nn.Module, dtype: torch.dtype, output_fp32: bool
     (unless ``measure`` is false or ``CPUDDP_PRECISION_TRIAL=0``), else plain autocast.
 
     Returns the precision in force now (``"bf16"`` or None) and, when it differs from what
-    :func:`~cpuddp.train.precision.decide_precision` said, the sentence saying why."""
-    from .precision import add_autocast
+    :func:`~cpuddp.train.precision.bf16.decide_precision` said, the sentence saying why."""
+    from .bf16 import add_autocast
 
     steps = trial_steps(os.environ if environ is None else environ) if measure else 0
     if requested == "auto" and steps == 0:

@@ -18,7 +18,7 @@ from torch import nn
 
 from cpuddp.errors import PrepareError
 
-__all__ = ["cpu_bf16_support", "decide_precision", "add_autocast", "PRECISIONS"]
+__all__ = ["cpu_bf16_support", "check_mixed_precision", "decide_precision", "add_autocast", "PRECISIONS"]
 
 #: ``mixed_precision`` value -> the autocast dtype (None: fp32).
 PRECISIONS: dict[Optional[str], Optional[torch.dtype]] = {
@@ -83,6 +83,16 @@ def bf16_from_flags(flags: Mapping[str, Optional[bool]], source: str) -> tuple[b
     return False, f"CPU has neither AMX nor AVX512-BF16 ({source}); bf16 would be emulated and slower than fp32"
 
 
+def check_mixed_precision(mixed_precision: Any) -> None:
+    """Raise :class:`PrepareError` unless ``mixed_precision`` names a precision of :data:`PRECISIONS`."""
+    if mixed_precision not in PRECISIONS:
+        raise PrepareError(
+            f"mixed_precision must be one of {sorted(k for k in PRECISIONS if k)} or None. "
+            f"Got {mixed_precision!r} instead.",
+            fix='pass mixed_precision="auto" (the faster of the two, measured), None (fp32) or "bf16"',
+        )
+
+
 def decide_precision(
     mixed_precision: Optional[str], *, strict: bool, cpu_bf16: bool, reason: str
 ) -> tuple[Optional[torch.dtype], str]:
@@ -91,14 +101,9 @@ def decide_precision(
     ``mixed_precision="bf16"`` on a CPU without native bf16 falls back to fp32 with a
     warning, or raises :class:`PrepareError` when ``strict`` is true.  ``"auto"`` is bf16 as
     a candidate where the CPU has it (the first steps then measure both:
-    :mod:`cpuddp.train.precision_trial`), else fp32 without measuring.
+    :mod:`cpuddp.train.precision.precision_trial`), else fp32 without measuring.
     """
-    if mixed_precision not in PRECISIONS:
-        raise PrepareError(
-            f"mixed_precision must be one of {sorted(k for k in PRECISIONS if k)} or None. "
-            f"Got {mixed_precision!r} instead.",
-            fix='pass mixed_precision="auto" (the faster of the two, measured), None (fp32) or "bf16"',
-        )
+    check_mixed_precision(mixed_precision)
     dtype = PRECISIONS[mixed_precision]
     if dtype is None:
         return None, "fp32 requested"

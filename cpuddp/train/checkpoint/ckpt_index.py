@@ -22,7 +22,7 @@ into ``directory/abandoned-at-step-T.<random>/``, with a warning (:func:`superse
 are kept (never pruned) for the user to inspect or delete.
 
 Everything here runs on the process that does the directory's work (group rank 0), under the
-directory's writer lock (:mod:`cpuddp.train.ckpt_lock`).
+directory's writer lock (:mod:`cpuddp.train.checkpoint.ckpt_lock`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Optional
 
 from cpuddp.errors import CheckpointError
 
-from .checkpoint import write_atomically
+from .atomic import write_atomically
 from .paths import open_own_file
 
 __all__ = ["RECORD_FILE", "Checkpoint", "checkpoint_name", "checkpoints", "supersede", "note_new", "prune",

@@ -16,8 +16,8 @@ Usage::
 
 What is kept: the model, the optimizer, the LR scheduler, a ``torch.amp.GradScaler`` (each
 when given), ``step``, ``epoch``, the data position of a :class:`~cpuddp.ShardedLoader`
-(its epoch and the samples consumed, :mod:`cpuddp.train.data`), every rank's random state
-(Python, torch, numpy when loaded: :mod:`cpuddp.train.rng`) and ``extra`` (tensors, numbers,
+(its epoch and the samples consumed, :mod:`cpuddp.train.common.data`), every rank's random state
+(Python, torch, numpy when loaded: :mod:`cpuddp.train.checkpoint.rng`) and ``extra`` (tensors, numbers,
 strings, lists, dicts: what ``torch.load(weights_only=True)`` reads).  The model and optimizer
 go through ``torch.distributed.checkpoint.state_dict`` (keys are parameter names), so the same
 calls work for a DDP model, a plain one and one sharded by ``fully_shard`` (FSDP2).
@@ -27,16 +27,16 @@ parameters are all whole (DDP, one process) is one file that rank 0 writes, as
 :func:`cpuddp.save_state_dict` writes (atomic rename, ``0600``, fsynced; only rank 0 needs the
 directory).  A sharded model (DTensor parameters) is a directory that every rank writes its
 shards into through ``torch.distributed.checkpoint`` (DCP), made atomically
-(:mod:`cpuddp.train.ckpt_dirs`); it needs a directory every rank sees.  Either kind loads into
+(:mod:`cpuddp.train.checkpoint.ckpt_dirs`); it needs a directory every rank sees.  Either kind loads into
 either kind of model, at any world size.  The newest ``keep`` checkpoints stay, older ones go.
 
-**Whose checkpoints** (:mod:`cpuddp.train.ckpt_index`): a directory's record lists what cpuddp
+**Whose checkpoints** (:mod:`cpuddp.train.checkpoint.ckpt_index`): a directory's record lists what cpuddp
 wrote there; only those, owned by this user and no symlink, count for ``keep=``, are removed,
 or are resumed from the directory.  They form one line: a save of step ``T`` moves the ones
 above ``T`` (a line abandoned by resuming from an earlier step) into
 ``abandoned-at-step-T.<random>/``, so ``keep=`` never removes the checkpoint just written and
 ``load_checkpoint(directory)`` resumes the newest of the current line.  **One writer**
-(:mod:`cpuddp.train.ckpt_lock`): the first save of a job in a directory holds it until the
+(:mod:`cpuddp.train.checkpoint.ckpt_lock`): the first save of a job in a directory holds it until the
 process exits; another job's save there gets an error naming that job's host and pid (its load
 a warning).
 
@@ -48,7 +48,7 @@ position carries over as the samples consumed in the epoch, the rest dealt over 
 their own.  The per-rank batch, and so the global batch, is what the new job uses.
 
 Both calls are collective (every rank calls them) and refuse an unsafe place
-(:mod:`cpuddp.train.paths`).
+(:mod:`cpuddp.train.checkpoint.paths`).
 """
 
 from __future__ import annotations
@@ -67,15 +67,15 @@ from cpuddp._package import __version__
 from cpuddp.errors import CheckpointError
 from cpuddp.ranks import group_rank_world
 
+from ..common.data import ShardedLoader
+from ..common.rank0 import all_gather_bytes, broadcast_bytes, on_rank0
+from ..sharding.distribute import unwrap
 from . import rng
-from .checkpoint import write_atomically
+from .atomic import write_atomically
 from .ckpt_dirs import remove_dead_dirs
 from .ckpt_index import checkpoint_name, checkpoints, note_new, prune, supersede
 from .ckpt_lock import hold_directory, while_free
-from .data import ShardedLoader
 from .paths import check_directory, make_private_dirs, open_own_file, state_nbytes
-from .prepare import unwrap
-from .rank0 import all_gather_bytes, broadcast_bytes, on_rank0
 from .resume_io import apply_state, gather_state, load_sharded, save_sharded
 
 __all__ = ["save_checkpoint", "load_checkpoint", "Resumed", "list_checkpoints", "FORMAT"]
@@ -175,7 +175,7 @@ def _check_loadable(parts: dict[str, Any]) -> None:
 
 def list_checkpoints(directory: Union[str, os.PathLike], *, check_permissions: bool = True) -> list[str]:
     """The checkpoints of this run's line in ``directory``, oldest first (paths; complete ones
-    that cpuddp wrote, owned by you: :mod:`cpuddp.train.ckpt_index`)."""
+    that cpuddp wrote, owned by you: :mod:`cpuddp.train.checkpoint.ckpt_index`)."""
     return [c.path for c in checkpoints(os.fspath(directory), check_permissions=check_permissions)]
 
 

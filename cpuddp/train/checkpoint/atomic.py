@@ -13,7 +13,7 @@ process holds locked.  Every writer holds an exclusive ``flock`` on its temporar
 creation to rename, and the kernel drops the lock when its process dies, so a save in flight
 (this job's or another's, in another PID namespace too) is never touched.
 
-Before anything is written, the directory is checked (:func:`cpuddp.train.paths.check_directory`:
+Before anything is written, the directory is checked (:func:`cpuddp.train.checkpoint.paths.check_directory`:
 refused when another user could change it) and created ``0700`` when missing.  A full disk
 (``ENOSPC``, ``EDQUOT``) -- seen before writing when the file system reports less room than
 the checkpoint needs, or while writing -- is a :class:`~cpuddp.errors.CheckpointError` saying

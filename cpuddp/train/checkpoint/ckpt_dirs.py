@@ -5,7 +5,7 @@ The ranks write into a temporary directory beside the target, ``.cpuddp-<name>.<
 until the end.  When every rank is done, rank 0 makes the files ``0600``, fsyncs them and the
 directory, renames it to the target and fsyncs the parent.  A reader sees the old checkpoint or the new one.
 A save that is killed leaves its temporary directory; the next save (or load) removes it once no
-process holds its lock (as :mod:`cpuddp.train.checkpoint` does for files).
+process holds its lock (as :mod:`cpuddp.train.checkpoint.atomic` does for files).
 
 Replacing a directory of the same name takes two renames (POSIX cannot rename over a directory
 that is not empty): the old one to ``.cpuddp-<name>.old.<random>.tmp``, then the new one into
@@ -14,7 +14,7 @@ between the two renames leaves the step only in the ``.old`` directory: the next
 (:func:`remove_dead_dirs`) renames a complete ``.old`` directory whose name is free back into
 place, and removes one whose replacement landed.  So a crash at any point leaves the step
 loadable, the old checkpoint or the new one.  Every rank must see a directory checkpoint's
-directory: :func:`cpuddp.train.resume_io.save_sharded` checks that first.
+directory: :func:`cpuddp.train.checkpoint.resume_io.save_sharded` checks that first.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Optional
 
 from cpuddp.errors import CheckpointError
 
-from .checkpoint import fsync_directory
+from .atomic import fsync_directory
 
 __all__ = ["TempDir", "make_temp_dir", "remove_dead_dirs", "finish", "TOKEN_FILE"]
 
@@ -121,7 +121,7 @@ def _restore(directory: str, name: str) -> bool:
 def remove_dead_dirs(directory: str) -> list[str]:
     """Remove killed saves' temporary directories in ``directory``, after restoring a replaced
     checkpoint whose replacement never landed (the module doc); return the names removed.
-    Call it holding the directory's writer lock (:mod:`cpuddp.train.ckpt_lock`)."""
+    Call it holding the directory's writer lock (:mod:`cpuddp.train.checkpoint.ckpt_lock`)."""
     uid = os.geteuid()
     try:
         names = sorted(n for n in os.listdir(directory) if _TEMP_DIR.match(n))

@@ -2,14 +2,15 @@
 
 * ``shard=None``: DDP (every rank holds and steps everything).
 * ``shard="optimizer"``: DDP with a reduce-scatter gradient hook; each rank steps its share of
-  every parameter and keeps only that share's optimizer state (:mod:`cpuddp.train.zero`).
+  every parameter and keeps only that share's optimizer state (:mod:`cpuddp.train.sharding.zero`).
 * ``shard="full"``: FSDP2 (``torch.distributed.fsdp.fully_shard``): parameters, gradients and
   optimizer state sharded; each *block* is gathered for its forward and backward and freed
   after.  bf16 through ``MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)``.
   Across nodes it is HSDP: a 2-D ``DeviceMesh`` (replicate across nodes, shard within a node).
 
-What is decided here, each a pure function tested alone: whether the request is consistent
-(:func:`check_shard_request`), which modules are blocks (:func:`find_blocks`; default: the
+What is decided here, each a pure function tested alone: whether the model and the optimizer
+can be sharded as they are (:func:`check_shardable`; the request itself is checked when
+prepare's options are built: :mod:`cpuddp.train.sharding.options`), which modules are blocks (:func:`find_blocks`; default: the
 repeated layers of a ``ModuleList`` -- transformer blocks -- and ``nn.TransformerEncoderLayer``/
 ``DecoderLayer``, then any remaining ``Linear``/``Embedding`` of at least :data:`LARGE` parameters;
 ``shard_blocks=`` names them instead), and the mesh (:func:`decide_mesh`).  What is done:
@@ -19,7 +20,8 @@ repeated layers of a ``ModuleList`` -- transformer blocks -- and ``nn.Transforme
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -28,10 +30,12 @@ from torch import nn
 from cpuddp.errors import PrepareError
 from cpuddp.ranks import log0
 
+from .options import Shard
+from .zero import ELEMENTWISE, UNFUSED_WHY
+
 __all__ = [
-    "SHARD_MODES",
     "LARGE",
-    "check_shard_request",
+    "check_shardable",
     "find_blocks",
     "decide_mesh",
     "gather_seats",
@@ -43,56 +47,10 @@ __all__ = [
 
 _log = logging.getLogger("cpuddp.prepare")
 
-SHARD_MODES = (None, "optimizer", "full")
 #: A Linear or Embedding with at least this many parameters is a block of its own (4 MiB of fp32).
 LARGE = 1 << 20
-#: prepare() options that configure DDP, which shard="full" does not use.
-DDP_OPTIONS = ("bucket_cap_mb", "static_graph", "find_unused_parameters", "broadcast_buffers", "ddp_kwargs", "comm_hook")
 
 BlockSpec = Union[None, type, str, Sequence[Union[type, str]], Callable[[str, nn.Module], bool]]
-
-
-def _ddp_options_set(options: Mapping[str, Any]) -> list[str]:
-    defaults = {"static_graph": False, "find_unused_parameters": False}
-    return [k for k in DDP_OPTIONS if options.get(k) not in (None, {}, defaults.get(k, None))]
-
-
-def check_shard_request(shard: Any, options: Mapping[str, Any]) -> None:
-    """Pure: raise :class:`PrepareError` for a ``shard=`` request that cannot be met as asked."""
-    if shard not in SHARD_MODES:
-        raise PrepareError(f"shard must be None, 'optimizer' or 'full'. Got {shard!r} instead.",
-                           fix="pass shard='optimizer' (ZeRO-2: optimizer state and gradients sharded) or "
-                               "shard='full' (FSDP2: parameters sharded too)")
-    if shard is None:
-        if options.get("shard_blocks") is not None or options.get("shard_scope") is not None:
-            raise PrepareError("shard_blocks/shard_scope were given, but shard=None.", fix="pass shard='full'")
-        return
-    if options.get("ipex") is True:
-        raise PrepareError(f"ipex=True with shard={shard!r}: IPEX's fused optimizer steps whole parameters "
-                           "of its own copy and cannot be sharded.", fix="pass ipex=None (or False) with shard=")
-    if options.get("ddp") is False:
-        raise PrepareError(f"ddp=False with shard={shard!r}: sharding is data parallel.", fix="drop ddp=False")
-    if options.get("compile"):
-        raise PrepareError(f"compile={options['compile']!r} with shard={shard!r}: torch.compile over the sharded "
-                           "model is not tested by cpuddp yet.", fix="pass compile=False with shard=")
-    if shard == "optimizer" and (options.get("ddp_kwargs") or {}).get("gradient_as_bucket_view", True) is False:
-        raise PrepareError("ddp_kwargs={'gradient_as_bucket_view': False} with shard='optimizer': the sharding "
-                           "reads the gradients from DDP's buckets, where clip_grad_norm_ scales them.",
-                           fix="drop gradient_as_bucket_view from ddp_kwargs")
-    if shard == "optimizer" and options.get("comm_hook") is not None:
-        raise PrepareError(f"comm_hook={options['comm_hook']!r} with shard='optimizer': the sharding is the "
-                           "gradient hook.", fix="drop comm_hook, or use shard=None")
-    if shard == "full":
-        given = _ddp_options_set(options)
-        if given:
-            raise PrepareError(f"{given[0]}={options[given[0]]!r} configures DDP, which shard='full' (FSDP2) "
-                               "does not use.", fix=f"drop {given[0]}, or use shard='optimizer'")
-    if options.get("shard_blocks") is not None and shard != "full":
-        raise PrepareError(f"shard_blocks with shard={shard!r}: blocks are FSDP2's unit.", fix="pass shard='full'")
-    scope = options.get("shard_scope")
-    if scope not in (None, "node", "world") or (scope is not None and shard != "full"):
-        raise PrepareError(f"shard_scope must be None, 'node' or 'world' with shard='full'. Got {scope!r} "
-                           f"with shard={shard!r}.", fix="drop shard_scope (default: within each node, HSDP across nodes)")
 
 
 # --------------------------------------------------------------------------- blocks
@@ -199,14 +157,21 @@ def _ipex_touched(optimizer: torch.optim.Optimizer) -> bool:
     return hasattr(optimizer, "params_attr") or hasattr(optimizer, "_original_step")
 
 
-def check_shardable(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], shard: str) -> None:
-    """Raise :class:`PrepareError` when ``model``/``optimizer`` cannot be sharded as they are."""
+def check_shardable(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], shard: Shard) -> None:
+    """Raise :class:`PrepareError` when ``model``/``optimizer`` cannot be sharded as they are (with
+    ``shard="optimizer"``: unless ``optimizer`` can be sharded element-wise over ``model``)."""
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.device.type != "cpu":
             raise PrepareError(f"{name!r} is on {t.device}; shard={shard!r} shards CPU tensors.",
                                fix="call model.to('cpu') before prepare()")
-    if optimizer is None:
-        return
+    if optimizer is not None:
+        _check_optimizer_state(model, optimizer, shard)
+    if shard == "optimizer":
+        _check_elementwise(model, optimizer)
+
+
+def _check_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, shard: Shard) -> None:
+    """An optimizer prepare can rebind: not IPEX's, no state yet, over the model's parameters only."""
     if _ipex_touched(optimizer):
         raise PrepareError(f"the optimizer was patched by ipex.optimize (IPEX's fused step over its own "
                            f"master weights); shard={shard!r} cannot shard it.",
@@ -226,6 +191,32 @@ def check_shardable(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
         raise PrepareError(f"the optimizer holds tensor(s) of shape {stray[:3]} that are not parameters of the "
                            "model; sharding cannot place them.",
                            fix="build the optimizer from model.parameters() (or named subsets of them)")
+
+
+def _check_elementwise(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+    """shard="optimizer": an element-wise torch.optim optimizer holding every trainable parameter
+    (:mod:`cpuddp.train.sharding.zero`); a fused one is kept, with a warning at the user's prepare() call."""
+    if optimizer is None:
+        raise PrepareError('shard="optimizer" shards the optimizer, but none was given.',
+                           fix="pass your optimizer: cpuddp.prepare(model, optimizer, shard=\"optimizer\")")
+    name = type(optimizer).__name__
+    if type(optimizer).__module__.split(".")[:2] != ["torch", "optim"] or name not in ELEMENTWISE:
+        raise PrepareError(
+            f'shard="optimizer" steps each rank\'s share of a parameter on its own, which is exact only '
+            f"for element-wise optimizers ({', '.join(ELEMENTWISE)} from torch.optim); got {name}.",
+            fix='use shard="full" (FSDP2 works with any optimizer), or one of those optimizers')
+    if any(g.get("fused") for g in optimizer.param_groups):
+        # stacklevel: here, check_shardable, prepare's _shard step, prepare, the user's call
+        warnings.warn(f"cpuddp shard='optimizer' with fused=True: {UNFUSED_WHY}; a resumed run will not continue "
+                      "bit-identically. Fix: leave fused unset (cpuddp then keeps the foreach step)", RuntimeWarning,
+                      stacklevel=5)
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if missing:
+        raise PrepareError(
+            f'shard="optimizer": trainable parameter(s) {missing[:3]} are not in the optimizer; their '
+            "gradients would never be applied (this rank keeps only its share of them).",
+            fix="give the optimizer every trainable parameter, or set requires_grad=False on the others")
 
 
 # --------------------------------------------------------------------------- shard="full": FSDP2

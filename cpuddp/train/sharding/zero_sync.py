@@ -1,5 +1,5 @@
 """``shard="optimizer"``: what the ranks agree on before they act -- when sharding starts, and
-that every rank is in ``optimizer.state_dict()`` (:mod:`cpuddp.train.zero` does the sharding).
+that every rank is in ``optimizer.state_dict()`` (:mod:`cpuddp.train.sharding.zero` does the sharding).
 
 **When sharding starts.**  DDP rebuilds its gradient buckets once, after the first iteration;
 the optimizer is sharded over the buckets' layout once it has settled.  Each step before
@@ -7,7 +7,9 @@ that, every rank says what it saw (:func:`local_verdict`: its code and a checksu
 layout) in one all-reduce of three ``int64`` (:func:`agree_start`), and all ranks act on the
 common verdict (:func:`decide_start`, pure): shard now, wait (and why), or stop because the
 ranks' layouts differ.  No rank shards on its own.  A run still unsharded after
-:data:`WARN_AFTER` steps gets a warning with the reason.
+:data:`WARN_AFTER` steps gets a warning with the reason.  :class:`BucketLayout` keeps what this
+rank saw (each bucket's parameters, and DDP's all-reduced buffers the first sharded step reads)
+and asks the others.
 
 **state_dict() is a collective once sharded** (it gathers every rank's share).  Called on
 one rank only (``if rank == 0: torch.save(optimizer.state_dict(), path)``), that rank would
@@ -35,7 +37,7 @@ import torch.distributed as dist
 from cpuddp.errors import PrepareError
 
 __all__ = ["WARN_AFTER", "WARN_WAIT", "REASONS", "local_verdict", "decide_start", "agree_start",
-           "StateDictGate", "ALONE_FIX"]
+           "BucketLayout", "StateDictGate", "ALONE_FIX"]
 
 _log = logging.getLogger("cpuddp.prepare")
 
@@ -152,3 +154,43 @@ class StateDictGate:
                     f"ranks call it, {ALONE_FIX}.", RuntimeWarning, stacklevel=4)
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+
+class BucketLayout:
+    """DDP's gradient buckets as this rank saw them in the backwards since the last step, and
+    whether every rank saw the same settled layout (then the optimizer may be sharded over it)."""
+
+    def __init__(self, model: Any, group: Any) -> None:
+        self.group = group
+        self.seen: dict[int, tuple] = {}  # bucket index -> its parameters, this backward
+        self.reduced: dict[int, torch.Tensor] = {}  # bucket index -> DDP's all-reduced buffer (unsharded steps)
+        self.waiting: Optional[str] = None  # why the last step ran unsharded (every rank agreed on it)
+        self._last: Optional[tuple] = None  # the layout of the previous step
+        self._position = {id(p): i for i, p in enumerate(model.parameters())}
+
+    def saw(self, index: int, params: tuple, buffer: Optional[torch.Tensor] = None) -> None:
+        """A bucket went through the hook (with its buffer, while unsharded: the step reads it)."""
+        self.seen[index] = params
+        if buffer is not None:
+            self.reduced[index] = buffer
+
+    def forget(self) -> None:
+        """A step is done: the next backward's buckets start afresh (DDP drops the old ones when it rebuilds)."""
+        self.seen, self.reduced = {}, {}
+
+    def agree(self, steps: int) -> bool:
+        """Shard now?  When every rank saw the same settled layout (one all-reduce); else say why
+        not (:attr:`waiting`; a warning after :data:`WARN_AFTER` steps); :class:`PrepareError`
+        when the ranks' layouts differ.  The warning names the caller's caller's caller (the step)."""
+        seen = {i: tuple(self._position.get(id(p), -1) for p in ps) for i, ps in self.seen.items()}
+        code, crc, layout = local_verdict(seen, self._last)
+        self._last = layout
+        verdict, why = agree_start(code, crc, self.group)
+        if verdict == "error":
+            raise PrepareError(f"shard='optimizer' cannot shard: {why}", fix="prepare the same model on every rank")
+        self.waiting = None if verdict == "shard" else why
+        if verdict != "shard" and steps == WARN_AFTER:
+            warnings.warn(f"cpuddp shard='optimizer': the optimizer is still not sharded after {steps} steps "
+                          f"(every rank steps the whole optimizer state, as DDP does): {why}", RuntimeWarning,
+                          stacklevel=4)
+        return verdict == "shard"

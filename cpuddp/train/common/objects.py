@@ -1,6 +1,6 @@
 """torch's object collectives on an install without numpy (README's install: torch and cpuddp).
 
-cpuddp's own collectives send bytes as ``uint8`` tensors (:mod:`cpuddp.train.rank0`), never
+cpuddp's own collectives send bytes as ``uint8`` tensors (:mod:`cpuddp.train.common.rank0`), never
 torch's ``all_gather_object``/``broadcast_object_list``/``gather_object``/``scatter_object_list``:
 each rank that *receives* an object turns the tensor back into bytes with ``tensor.numpy()``
 (``_tensor_to_object`` in ``torch.distributed.distributed_c10d``), so without numpy it raises
