@@ -218,7 +218,7 @@ def test_a_name_its_module_rebinds_is_never_stale_at_the_door():
 
 def test_every_cpuddp_train_path_the_docs_name_imports():
     """docs/ and README name some of train's modules by path (``cpuddp.train.loop``,
-    ``cpuddp.train.ckpt_lock.release_directory``): each still imports, its name included."""
+    ``cpuddp.train.checkpoint.ckpt_lock.release_directory``): each still imports, its name included."""
     import re
 
     root = Path(__file__).resolve().parents[1]
