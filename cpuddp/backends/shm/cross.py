@@ -70,10 +70,10 @@ class Hierarchy:
         part = torch.empty(sum(hi - lo for lo, hi in spans), dtype=flat.dtype)
         pos = 0
         for (o, k), (lo, hi) in zip(chunks, spans):
-            e = eng.epoch + 1
+            e = eng.ch.next_round()
             buf = rows[e & 1]
             buf[me, :k].copy_(flat[o:o + k])
-            eng.sync(e)
+            eng.ch.round(e)
             if hi > lo:
                 red(eng.part_rows(buf, lo, hi), part[pos:pos + hi - lo])
             pos += hi - lo
@@ -82,11 +82,11 @@ class Hierarchy:
         self.cross.allreduce([part], opts).wait()
         pos = 0
         for (o, k), (lo, hi) in zip(chunks, spans):
-            e = eng.epoch + 1
+            e = eng.ch.next_round()
             buf = rows[e & 1]
             buf[me, lo:hi].copy_(part[pos:pos + hi - lo])
             pos += hi - lo
-            eng.sync(e)
+            eng.ch.round(e)
             eng.parts_out(buf, k, flat[o:o + k])
 
     def broadcast(self, flat: torch.Tensor, root: int) -> None:

@@ -27,7 +27,8 @@ The group's torch-side name needs a backend object registered for the CPU; it is
 ``FakeProcessGroup`` that raises if anything calls it (nothing does: every path torch has --
 its Python API, DDP's reducer, functional collectives, FSDP2, DCP -- reaches these methods).
 
-Lifecycle: ``shutdown``/``destroy_process_group`` and ``cpuddp.shutdown`` leave the group
+Lifecycle (one state, :class:`~cpuddp.backends.shm.channel.Lifecycle`):
+``shutdown``/``destroy_process_group`` and ``cpuddp.shutdown`` leave the group
 (peers waiting for this rank stop at once); any use after that raises
 :class:`~cpuddp.errors.GroupShutDownError`; a forked child can neither use its parent's group
 nor leave it (:mod:`cpuddp.backends.shm.segment`).  Each group forms under a key prefix of its
@@ -59,6 +60,7 @@ from . import check as shm_check
 from . import forms
 from .agree import encode
 from .calls import Collectives
+from .channel import Channel, Lifecycle
 from .cross import Hierarchy, SumThenDivide, cross_group
 from .handover import map_segment
 from .levels import setup_levels
@@ -66,7 +68,6 @@ from .local import LocalEngine
 from .node import NodePlan, check_local_size, parse_who, plan_node, whoami
 from .ops import check_tensors
 from .p2p import PeerLinks
-from .segment import C_STATE, STATE_LEFT
 from .stream import GatheredWork, Stream, TimedWork, async_setting
 from .wait import Waiter
 
@@ -119,7 +120,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, _name_holder(rank, size))
         self._options = options or api.ShmOptions.from_environ(size)
         self._timeout = timeout
-        self._closed: Optional[str] = None
+        self._life = Lifecycle()
         self._pid = os.getpid()
         self._eng: Optional[LocalEngine] = None
         self._hier: Optional[Hierarchy] = None
@@ -127,6 +128,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._world: Any = None  # gloo over every rank: across nodes only (all_to_all, send/recv)
         self._plan: Optional[NodePlan] = None
         self.reason = self._setup(store, rank, size, timeout)
+        self._life.live()
         threaded = self._eng is not None and async_setting(self._options.async_comm)
         self._stream = Stream(rank, threaded, self._on_error, self._thread_setup)
         api.track(self)
@@ -151,7 +153,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         with thread_affinity(self._options.cpus):  # the slots are allocated on the rank's NUMA node
             seg, socks = map_segment(store, rank, plan, seconds, shm_check.slot_bytes(os.environ))
         waiter = Waiter(seg, plan.local, plan.peer_pids, rank, seconds, plan.spin)
-        self._eng = LocalEngine(seg, plan.local, rank, waiter)
+        self._eng = LocalEngine(Channel(seg, plan.local, rank, waiter, self._life))
         self._links = PeerLinks({plan.local[j]: s for j, s in socks.items()}, rank)
         numa = setup_levels(self._eng, self._options.cpus or plan.local_cpus[plan.local_rank])
         if plan.nodes == 1:
@@ -172,7 +174,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
     @property
     def shm_calls(self) -> int:
         """Collectives agreed through shared memory so far (tests and benchmarks read it)."""
-        return self._eng.calls if self._eng is not None else 0
+        return self._eng.ch.calls if self._eng is not None else 0
 
     def getBackendName(self) -> str:  # noqa: N802  (torch's name)
         return NAME
@@ -180,10 +182,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
     # ------------------------------------------------------------------ running a call
 
     def _usable(self) -> None:
-        if self._closed is not None:
-            raise GroupShutDownError(f"this shm process group was {self._closed}: it cannot run collectives any "
-                                     "more", fix="use the group of a new init (cpuddp.init_distributed()), and "
-                                                 "wrap the model again (cpuddp.prepare or DDP) after a re-init")
+        self._life.check_usable()
         if os.getpid() != self._pid:
             raise GroupShutDownError(f"this process (pid {os.getpid()}) is a fork of rank {self.rank()} (pid "
                                      f"{self._pid}): a forked child cannot use its parent's process group",
@@ -194,19 +193,19 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         """Post the (checked) call's descriptor, run ``body``, finish the agreement -- in this thread
         or the group's, in issue order.  An error from here on breaks the group and stops the peers."""
         self._usable()
-        eng = self._eng
+        ch = self._eng.ch  # type: ignore[union-attr]
         call = encode(kind, agreed, op=None if op is None else int(op), root=root)
 
         def run() -> None:
-            eng.begin(call)
+            ch.agree(call)
             body()
-            eng.settle()  # a call with no round (nothing to move) is compared here
+            ch.settle()  # a call with no round (nothing to move) is compared here
 
         return self._stream.run(run, result, sum(t.numel() * t.element_size() for t in agreed))
 
     def _on_error(self, exc: BaseException) -> None:
         if self._eng is not None:
-            self._eng.fail(str(exc))
+            self._eng.ch.fail(str(exc))
 
     def _local(self, rank: int) -> int:
         """This node's local rank of group rank ``rank`` (single-node groups)."""
@@ -249,22 +248,20 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
 
     def leave(self) -> None:
         """Leave the group: peers waiting for this rank stop at once; later calls raise."""
-        if self._closed is not None:
+        if not self._life.leave():
             return
-        self._closed = "shut down (cpuddp.shutdown() or destroy_process_group())"
         if os.getpid() != self._pid:
             return  # a forked child: the parent's group is not this process's to leave
         self._stream.close()
         if self._eng is not None:
-            self._eng.seg.lines[self._eng.me][C_STATE] = STATE_LEFT
-            self._eng.mark_checked()
+            self._eng.ch.leave()
         if self._links is not None:
             self._links.close()
 
     def abort_peers(self, why: str) -> None:
         """Set the segment's abort word: local peers waiting for this rank raise at once."""
-        if self._eng is not None and os.getpid() == self._pid and self._closed is None:
-            self._eng.fail(why)
+        if self._eng is not None and os.getpid() == self._pid and not self._life.gone:
+            self._eng.ch.fail(why)
 
     def shutdown(self) -> None:  # torch's destroy_process_group calls it
         self.leave()
@@ -277,7 +274,9 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         if self._world is not None or self._hier is not None:
             time.sleep(_SETTLE)  # gloo's workers release their last Works while Python still runs
         if self._eng is not None:
-            self._eng.seg.close()
+            self._eng.ch.close()
+        else:
+            self._life.close()
 
     def abort(self) -> None:
         self.abort_peers("the process group was aborted")

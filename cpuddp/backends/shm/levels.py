@@ -61,13 +61,12 @@ def setup_levels(eng: LocalEngine, cpus: Iterable[int], environ: Mapping[str, st
     try:
         node, why = my_node(eng.me, n, cpus, environ)
     except BackendError:
-        eng.waiter.abort(eng.me)  # the peers stop at the round below instead of waiting it out
+        eng.ch.waiter.abort(eng.me)  # the peers stop at the round below instead of waiting it out
         raise
     seg.lines[eng.me][C_NUMA] = _UNPLACED if node is None else node + _PLACED
     note = why.encode()[:NOTE_BYTES]
     seg.note(eng.me)[:] = note + bytes(NOTE_BYTES - len(note))
-    eng.epoch += 1
-    eng.sync(eng.epoch)
+    eng.ch.round(eng.ch.next_round())
     plan = plan_nodes([_node_of(seg, r) for r in range(n)])
     if plan.two_level:
         eng.levels = TwoLevel(eng, plan)
@@ -125,17 +124,17 @@ class TwoLevel:
                 (lo, hi), _subs = spans[p]
                 if hi > lo:
                     red(self.rows(a, self.group, lo, hi), eng.row(b, me, lo, hi))
-            eng.sync(e + 1)
+            eng.ch.round(e + 1)
             for p in self.mine:
                 lo, hi = spans[p][1][self.g]
                 if hi > lo:
                     red(self.rows(b, self.owners[p], lo, hi), eng.row(a, me, lo, hi))
-            eng.sync(e + 2)
+            eng.ch.round(e + 2)
             for p in self.mine:
                 for owner, (lo, hi) in zip(self.owners[p], spans[p][1]):
                     if hi > lo:
                         eng.row(b, me, lo, hi).copy_(eng.row(a, owner, lo, hi))
-            eng.sync(e + 3)
+            eng.ch.round(e + 3)
             for p, ((lo, hi), _subs) in enumerate(spans):
                 if hi > lo:
                     chunk[lo:hi].copy_(eng.row(b, self.local_owner[p], lo, hi))

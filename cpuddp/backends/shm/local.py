@@ -2,7 +2,7 @@
 
 Every collective moves its data in rounds.  A round has an epoch ``e``: each rank writes into
 its own slot of buffer ``e % 2`` (copy-in), raises its arrival counter to ``e``, waits until
-every local peer's counter reached ``e`` (:meth:`LocalEngine.sync`), then reads what it needs
+every local peer's counter reached ``e`` (:meth:`cpuddp.backends.shm.channel.Channel.round`), then reads what it needs
 from the peers' slots (copy-out or reduce).  With two buffers one synchronisation per round
 suffices: a rank writes buffer ``e % 2`` again only at ``e + 2``, after every peer arrived at
 ``e + 1``, which it does only after its reads of round ``e``.  Large tensors take several
@@ -40,9 +40,9 @@ whole slots, big enough for the rank's intra-op threads.
 * ``barrier``: the agreement itself (every rank posted the call, so every rank entered it).
 
 Before it reads anything a peer wrote for a call, a rank compares the call's descriptor with
-every peer's (:mod:`cpuddp.backends.shm.agree`): a mismatch is an error on every rank.  After
-any error the engine is broken: every later call raises at once, and the segment's abort word
-makes the peers stop too.
+every peer's (:mod:`cpuddp.backends.shm.agree`, driven by the channel): a mismatch is an error
+on every rank.  After any error the group is broken: every later call raises at once, and the
+segment's abort word makes the peers stop too (:mod:`cpuddp.backends.shm.channel`).
 """
 
 from __future__ import annotations
@@ -52,10 +52,8 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .agree import Call, Ring, describe
+from .channel import Channel
 from .ops import rows_reducer
-from .segment import C_CHECKED, W_ABORT, Segment
-from .wait import Waiter
 
 __all__ = ["LocalEngine", "part_length", "span", "rows_of", "block"]
 
@@ -100,76 +98,15 @@ def rows_of(ts: Sequence[Optional[torch.Tensor]]) -> Optional[Tuple[torch.Tensor
 
 
 class LocalEngine:
-    """One group's collectives among the ranks of this node (used by one thread at a time)."""
+    """One group's collectives among the ranks of this node (used by one thread at a time), over
+    its :class:`~cpuddp.backends.shm.channel.Channel`: each round is ``ch.round(e)``."""
 
-    def __init__(self, seg: Segment, local: Sequence[int], rank: int, waiter: Waiter) -> None:
-        self.seg, self.local, self.rank, self.waiter = seg, tuple(local), rank, waiter
-        self.me, self.n = seg.local_rank, seg.size
-        self.ring = Ring(seg)
-        self.epoch = 0
-        self.seq = 0
-        self.calls = 0
-        self.broken: Optional[str] = None
+    def __init__(self, ch: Channel) -> None:
+        self.ch, self.seg, self.local, self.rank = ch, ch.seg, ch.local, ch.rank
+        self.me, self.n = ch.me, ch.n
         #: the two-level all_reduce (:class:`cpuddp.backends.shm.levels.TwoLevel`) when the node's
         #: NUMA plan has two or more groups, set by the group; else None: the one-level path
         self.levels: Optional[Any] = None
-        self._unchecked: Optional[Tuple[int, Call]] = None
-
-    # ------------------------------------------------------------------ agreement and waiting
-
-    def begin(self, call: Call) -> None:
-        """Post the next call's descriptor; it is compared at the call's first round (or by
-        :meth:`settle` for a call without one)."""
-        if self.broken is not None:
-            raise dist.DistBackendError(f"the shm process group is broken by an earlier error: {self.broken}")
-        self.seq += 1
-        seq = self.seq
-        if self.n > 1 and self.ring.slot_free(seq):
-            self.waiter.until(lambda: bool(self.ring.slot_free(seq)), lambda: self.ring.slot_free(seq),
-                              f"call #{seq - 16} to be checked", self._poll)
-        self.ring.post(seq, call)
-        self._unchecked = (seq, call)
-        self.calls += 1
-
-    def settle(self) -> None:
-        """Finish the posted call's agreement: wait until every local peer posted it, compare."""
-        if self._unchecked is None:
-            return
-        seq, call = self._unchecked
-        if self.ring.late(seq):
-            self.waiter.until(lambda: bool(self.ring.late(seq)), lambda: self.ring.late(seq),
-                              f"collective call #{seq} ({describe(call.words())})", self._poll)
-        self._unchecked = None
-        self.ring.compare(seq, call, self.local)
-
-    def _poll(self) -> None:
-        """While waiting: a peer that posted a different call is a mismatch now, not at the timeout."""
-        if self._unchecked is not None and not self.ring.late(self._unchecked[0]):
-            self.settle()
-
-    def sync(self, e: int) -> None:
-        """Announce arrival at round ``e``; return once every local peer has arrived there (and
-        the call's descriptors, posted before any round, are compared)."""
-        seg = self.seg
-        seg.mine.value = e
-        arrived = seg.arrived
-        if min(arrived) < e:
-            self.waiter.until(lambda: min(arrived) < e, lambda: seg.late(arrived, e),
-                              f"a shared-memory round ({e})", self._poll)
-        if self._unchecked is not None:
-            self.settle()
-        if seg.words[W_ABORT]:  # a peer gave up: what it left in the slots may be from a call it abandoned
-            self.waiter.check_abort()
-        self.epoch = e
-
-    def fail(self, why: str) -> None:
-        if self.broken is None:
-            self.broken = why
-        self.waiter.abort(self.me)
-
-    def mark_checked(self) -> None:
-        """Leaving: peers waiting for this rank to check a call are not held up by it."""
-        self.seg.lines[self.me][C_CHECKED] = 1 << 62
 
     # ------------------------------------------------------------------ helpers
 
@@ -221,11 +158,11 @@ class LocalEngine:
     def _all_reduce_pair(self, flat: torch.Tensor, fn: Callable[..., Any]) -> None:
         slots, me = self.seg.slots(flat.dtype), self.me
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
-            e = self.epoch + 1
+            e = self.ch.next_round()
             buf = slots[e & 1]
             mine = flat[o:o + k] if k != flat.numel() else flat
             buf[me][:k].copy_(mine)
-            self.sync(e)
+            self.ch.round(e)
             theirs = buf[1 - me][:k]
             if me == 0:
                 fn(mine, theirs, out=mine)
@@ -236,10 +173,10 @@ class LocalEngine:
         """Each chunk of ``flat`` (at most a slot) copied into this rank's row of ``rows[e % 2]``, and
         every peer's too (the round's sync): ``(e, chunk, k)``, ``k`` elements."""
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
-            e = self.epoch + 1
+            e = self.ch.next_round()
             chunk = flat[o:o + k] if k != flat.numel() else flat
             self.row(rows[e & 1], self.me, 0, k).copy_(chunk)
-            self.sync(e)
+            self.ch.round(e)
             yield e, chunk, k
 
     def _all_reduce_parts(self, flat: torch.Tensor, fn: Callable[..., Any]) -> None:
@@ -249,7 +186,7 @@ class LocalEngine:
             lo, hi = self.my_part(k, flat.element_size())
             if hi > lo:
                 red(self.part_rows(src, lo, hi), self.row(out, me, lo, hi))
-            self.sync(e + 1)
+            self.ch.round(e + 1)
             self.parts_out(out, k, chunk)
 
     def reduce(self, flat: torch.Tensor, root: int, fn: Callable[..., Any]) -> None:
@@ -260,21 +197,21 @@ class LocalEngine:
             return
         rows, me, red = self.seg.rows(flat.dtype), self.me, rows_reducer(fn, flat.dtype)
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
-            e = self.epoch + 1
+            e = self.ch.next_round()
             buf = rows[e & 1]
             buf[me, :k].copy_(flat[o:o + k])
-            self.sync(e)
+            self.ch.round(e)
             if me == root:
                 red(buf[:, :k], flat[o:o + k])
 
     def _reduce_pair(self, flat: torch.Tensor, root: int, fn: Callable[..., Any]) -> None:
         slots, me = self.seg.slots(flat.dtype), self.me
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
-            e = self.epoch + 1
+            e = self.ch.next_round()
             buf = slots[e & 1]
             if me != root:
                 buf[me][:k].copy_(flat[o:o + k])
-            self.sync(e)
+            self.ch.round(e)
             if me == root:
                 mine, theirs = flat[o:o + k], buf[1 - me][:k]
                 fn(*((mine, theirs) if me == 0 else (theirs, mine)), out=mine)
@@ -285,12 +222,12 @@ class LocalEngine:
             return
         slots, me = self.seg.slots(torch.uint8), self.me
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
-            e = self.epoch + 1
+            e = self.ch.next_round()
             buf = slots[e & 1]
             chunk = flat[o:o + k] if k != flat.numel() else flat
             if me == root:
                 buf[me][:k].copy_(chunk)
-            self.sync(e)
+            self.ch.round(e)
             if me != root:
                 chunk.copy_(buf[root][:k])
 
@@ -306,11 +243,11 @@ class LocalEngine:
         rows = self.seg.rows(torch.uint8)
         spaced = rows_of(outs) if reads else None
         for o, k in self._rounds(inp.numel(), self._cap(inp)):
-            e = self.epoch + 1
+            e = self.ch.next_round()
             buf = rows[e & 1]
             if root != me or root is None:
                 buf[me, :k].copy_(inp[o:o + k] if k != inp.numel() else inp)
-            self.sync(e)
+            self.ch.round(e)
             if reads:
                 self._copy_rows_out(buf, k, o, outs, spaced)
 
@@ -345,7 +282,7 @@ class LocalEngine:
         cap = self._cap(out, n)
         spaced = rows_of(inps)
         for o, c in self._rounds(out.numel(), cap):
-            e = self.epoch + 1
+            e = self.ch.next_round()
             buf = rows[e & 1]
             mine = block(buf, n, c, cap, buf.storage_offset() + me * buf.stride(0))  # region r of my slot
             if spaced is not None:
@@ -354,7 +291,7 @@ class LocalEngine:
             else:
                 for r in range(n):
                     mine[r].copy_(inps[r][o:o + c])
-            self.sync(e)
+            self.ch.round(e)
             red(self.part_rows(buf, me * cap, me * cap + c), out[o:o + c] if c != out.numel() else out)
 
     def _reduce_scatter_pair(self, inps: Sequence[torch.Tensor], out: torch.Tensor, fn: Callable[..., Any]) -> None:
@@ -362,10 +299,10 @@ class LocalEngine:
         cap = self._cap(out, 2)
         other = 1 - me
         for o, c in self._rounds(out.numel(), cap):
-            e = self.epoch + 1
+            e = self.ch.next_round()
             buf = slots[e & 1]
             buf[me][other * cap:other * cap + c].copy_(inps[other][o:o + c])
-            self.sync(e)
+            self.ch.round(e)
             mine, theirs = inps[me][o:o + c], buf[other][me * cap:me * cap + c]
             fn(*((mine, theirs) if me == 0 else (theirs, mine)), out=out[o:o + c])
 
@@ -380,7 +317,7 @@ class LocalEngine:
         cap = self._cap(out, n)
         spaced = rows_of(inps) if me == root and inps is not None else None
         for o, c in self._rounds(out.numel(), cap):
-            e = self.epoch + 1
+            e = self.ch.next_round()
             buf = rows[e & 1]
             if me == root:
                 mine = block(buf, n, c, cap, buf.storage_offset() + me * buf.stride(0))
@@ -390,7 +327,7 @@ class LocalEngine:
                     for r in range(n):
                         if r != me:
                             mine[r].copy_(inps[r][o:o + c])  # type: ignore[index]
-            self.sync(e)
+            self.ch.round(e)
             if me != root:
                 out[o:o + c].copy_(buf[root, me * cap:me * cap + c])
 
@@ -410,13 +347,13 @@ class LocalEngine:
         cap = self._cap(ins[0], n)
         longest = max(max(row) for row in send)
         for o in range(0, longest, cap):
-            e = self.epoch + 1
+            e = self.ch.next_round()
             buf = slots[e & 1]
             for d in range(n):
                 k = min(cap, send[me][d] - o)
                 if d != me and k > 0:
                     buf[me][d * cap:d * cap + k].copy_(ins[d][o:o + k])
-            self.sync(e)
+            self.ch.round(e)
             for s in range(n):
                 k = min(cap, recv[me][s] - o)
                 if s != me and k > 0:
@@ -426,10 +363,10 @@ class LocalEngine:
         """Every rank's send and receive byte counts (a round of their own), checked pairwise."""
         n = self.n
         slots = self.seg.slots(torch.int64)
-        e = self.epoch + 1
+        e = self.ch.next_round()
         buf = slots[e & 1]
         buf[self.me][:2 * n].copy_(torch.tensor(send + recv, dtype=torch.int64))
-        self.sync(e)
+        self.ch.round(e)
         rows = [buf[r][:2 * n].tolist() for r in range(n)]
         sends, recvs = [row[:n] for row in rows], [row[n:] for row in rows]
         wrong = [(a, b) for a in range(n) for b in range(n) if a != b and sends[a][b] != recvs[b][a]]
@@ -441,4 +378,4 @@ class LocalEngine:
         return sends, recvs
 
     def barrier(self) -> None:
-        self.settle()
+        self.ch.settle()
