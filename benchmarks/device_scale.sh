@@ -34,7 +34,8 @@ timeout 330 $PY benchmarks/scale.py --nproc 2,4,8,16 -b 4K -e 16M -f 4 -w 3 -n 1
     --ceiling-size 64M --timeout 100 --out "$OUT/scale" > "$OUT/scale.txt" 2>&1
 echo "exit $? after $(( $(date +%s) - start )) s"; tail -60 "$OUT/scale.txt"
 
-echo "== 2. 2-rank spread (allreduce, broadcast), 6 runs each"
+echo "== 2. 2-rank spread: first the hand-off probe (no cpuddp: do the cores stay put?), then allreduce, broadcast 6 runs each"
+timeout 20 $PY benchmarks/handoff_probe.py --cpus 0,8 --blocks 10 --iters 200 --pause 0.3 --json "$OUT/bimodal/probe.json" 2>&1 | tail -3
 for coll in allreduce broadcast; do
   for i in 1 2 3 4 5 6; do
     timeout 15 $PY -m cpuddp bench $coll --nproc 2 -b 4K -e 4M -f 4 -w 5 -n 30 --no-ceiling --no-check \
