@@ -47,13 +47,18 @@ def _save_or_error(directory: str) -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
+def _start_job_a(d: str) -> tuple:
+    """Job A (``_JOB_A``) saving into ``d`` and holding it: the process and its "HELD <pid>" line."""
+    a = subprocess.Popen([sys.executable, "-c", _JOB_A, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    return a, a.stdout.readline().split()
+
+
 @pytest.mark.timeout(240)
 def test_a_second_job_in_the_same_directory_is_named_and_stopped(run_distributed, tmp_path) -> None:
     d = str(tmp_path / "ck")
-    a = subprocess.Popen([sys.executable, "-c", _JOB_A, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    a, line = _start_job_a(d)
     try:
-        line = a.stdout.readline().split()
         assert line[:1] == ["HELD"], f"job A did not save: {line} {a.stderr.read() if a.poll() is not None else ''}"
         pid = line[1]
         told = run_distributed(_save_or_error, 2, args=(d,), timeout=120)
@@ -74,10 +79,8 @@ def test_a_load_beside_a_running_writer_reads_the_newest_and_names_the_writer(tm
     """An evaluation process loads a running job's directory: it reads, never takes the directory
     from its writer, and says who writes there; the writer saves on."""
     d = str(tmp_path / "ck")
-    a = subprocess.Popen([sys.executable, "-c", _JOB_A, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    a, line = _start_job_a(d)
     try:
-        line = a.stdout.readline().split()
         assert line[:1] == ["HELD"], f"job A did not save: {line}"
         with caplog.at_level("WARNING", logger="cpuddp.checkpoint"):
             got = load_checkpoint(d, model=nn.Linear(2, 2))
