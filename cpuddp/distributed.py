@@ -20,17 +20,18 @@ The order, and why:
    its launcher said through the store, and reads everyone's.  This fixes the local rank,
    local size and node rank from the hosts themselves (two ranks on one host launched
    Kubeflow-style are seen as such), with no collective, no pickle and no numpy.
-4. **Decide** (:func:`cpuddp.backends.decide.decide_backend`), once, from that layout: the
-   backend every rank chose and agreed on through the store (a rank keeps its own choice; ranks
-   that disagree stop with an error naming them, so they never form mismatched groups), the
-   pinning plan for it (:mod:`cpuddp.affinity`), the settings to export and the group's
-   options: a frozen :class:`~cpuddp.backends.decide.BackendPlan`, which the steps below execute.
+4. **Decide** (:func:`cpuddp.backends.decide.decide_backend`), once, from that layout: this
+   rank's backend, the pinning plan for it (:mod:`cpuddp.affinity`) and the settings to export,
+   then the agreement through the store, last (a rank keeps its own choice; ranks that disagree
+   stop with an error naming them, before anything is carried out, so they never form
+   mismatched groups): a frozen :class:`~cpuddp.backends.decide.BackendPlan`, which the steps
+   below execute.
 5. **Export, load and pin**: the rank's and the backend's variables, the backend's module, then
    the compute threads -- this thread and every thread that existed before init, OpenMP's
    pool among them -- go to the rank's own cores.  The ranks then say "ready" through the store.
-6. **Form the group** with this thread temporarily allowed on every CPU the process was
-   given, so the backend's communication threads (gloo's, oneCCL's, the store's) start
-   there and are never re-pinned (oneCCL pins its workers itself, from
+6. **Form the group**, with the options the agreed plan gives, and with this thread
+   temporarily allowed on every CPU the process was given, so the backend's communication
+   threads (gloo's, oneCCL's, the store's) start there and are never re-pinned (oneCCL pins its workers itself, from
    ``CCL_WORKER_AFFINITY``), then run one small collective to prove the group works.
 
 A rank that fails in steps 3-5 publishes its error in the store, and the others raise at
@@ -313,7 +314,7 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
         raise
     with affinity.thread_affinity(wide):
         # the ranks on this node as proved at init: a shm group refuses a store that later hides one
-        forming.form_group(env, plan.name, store, td, plan.options)
+        forming.form_group(env, plan, store, td)
         forming.first_collective(env, plan.name)
         if store is not None:
             from cpuddp.watchdog import monitor as watchdog

@@ -7,7 +7,8 @@ import pytest
 
 from cpuddp.backends.shm import check as shm_check
 from cpuddp.backends.auto import RULE, AutoFacts, auto_rule
-from cpuddp.backends.settings import backend_env, shm_options
+from cpuddp.backends.forming import shm_options
+from cpuddp.backends.settings import backend_env
 from cpuddp.backends.types import BackendChoice
 from cpuddp.backends import resolve_backend
 from cpuddp.launchers.env import DistEnv
@@ -128,30 +129,26 @@ def test_a_leg_that_is_neither_gloo_nor_ccl_is_a_clear_error():
         shm_options(BackendChoice("shm", "auto", "cpuddp.shm", inter="gloo"), {"CPUDDP_SHM_INTER": "mpi"})
 
 
-def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes(monkeypatch):
+def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes():
     """Bindings on some nodes only: every rank takes shm with gloo between nodes (not a hang)."""
     import datetime
 
     import torch.distributed as dist
 
-    from cpuddp.backends import registry as backends
-    from cpuddp.backends.decide import agree_backend
+    from cpuddp.backends.agreement import agree_backend
 
-    def pick(requested, env, **kw):
-        return BackendChoice("shm", "auto: test", "cpuddp.shm", "auto", inter="ccl")
-
-    monkeypatch.setattr(backends, "resolve_backend", pick)
+    mine = BackendChoice("shm", "auto: test", "cpuddp.shm", "auto", inter="ccl")
     td = datetime.timedelta(seconds=5)
     env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=1, num_nodes=2)
     store = dist.HashStore()
     store.set("b/1", "shm")
     store.set("b/inter/1", "gloo")  # rank 1's node has no working bindings
-    choice = agree_backend("auto", env, store, "b", td, {})
+    choice = agree_backend(mine, "auto", env, store, "b", td)
     assert (choice.name, choice.inter) == ("shm", "gloo") and "not every rank has working oneCCL" in choice.reason
     store = dist.HashStore()
     store.set("c/1", "shm")
     store.set("c/inter/1", "ccl")
-    assert agree_backend("auto", env, store, "c", td, {}).inter == "ccl"
+    assert agree_backend(mine, "auto", env, store, "c", td).inter == "ccl"
 
 
 def test_auto_reaches_one_answer_on_every_node_of_an_uneven_job():

@@ -1,5 +1,5 @@
 """The backend decision in one pass (cpuddp.backends.decide): the requested backend and the proven
-layout in, a frozen BackendPlan out; ranks that disagree stop before anything is planned."""
+layout in, a frozen BackendPlan out; ranks that disagree stop before anything is carried out."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import datetime
 import pytest
 import torch.distributed as dist
 
-from cpuddp.backends import decide
+from cpuddp.backends import decide, forming
 from cpuddp.backends import registry as backends
 from cpuddp.backends.shm.api import ShmOptions
 from cpuddp.backends.types import BackendChoice
@@ -35,10 +35,11 @@ def _shm_everywhere(monkeypatch, facts: dict) -> None:
 def test_a_world_of_one_gets_a_frozen_plan_with_its_settings(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     plan = decide.decide_backend("gloo", DistEnv(), None, None, "b", TD, {}, pin=False)
-    assert (plan.name, plan.choice.inter, plan.pin_plan, plan.options) == ("gloo", None, None, None)
+    assert (plan.name, plan.choice.inter, plan.pin_plan) == ("gloo", None, None)
+    assert forming.group_options(DistEnv(), plan, {}) is None
     assert plan.env == {"GLOO_SOCKET_IFNAME": "lo"}  # one node on loopback
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.options = object()  # type: ignore[misc]
+        plan.env = {}  # type: ignore[misc]
 
 
 def test_shm_agreed_by_every_rank_carries_its_leg_and_the_proven_layout(monkeypatch):
@@ -50,28 +51,32 @@ def test_shm_agreed_by_every_rank_carries_its_leg_and_the_proven_layout(monkeypa
         store.set(f"b/inter/{r}", "ccl")
     plan = decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=False)
     assert (facts["node_cpus"], facts["smallest_node"]) == (2, 2)  # the proven layout's, not the launcher's
-    assert plan.options == ShmOptions(inter="ccl", async_comm=False, local_size=2)
+    assert forming.group_options(ENV, plan, {}) == ShmOptions(inter="ccl", async_comm=False, local_size=2)
     store = dist.HashStore()
     for r in (1, 2, 3):
         store.set(f"c/{r}", "shm")
         store.set(f"c/inter/{r}", "gloo" if r == 3 else "ccl")  # rank 3's node has no working bindings
     plan = decide.decide_backend("auto", ENV, LAYOUT, store, "c", TD, {}, pin=False)
-    assert plan.choice.inter == plan.options.inter == "gloo" and "gloo after all" in plan.choice.reason
+    assert plan.choice.inter == forming.group_options(ENV, plan, {}).inter == "gloo"
+    assert "gloo after all" in plan.choice.reason
 
 
-def test_ranks_that_disagree_stop_before_anything_is_planned(monkeypatch):
+def test_ranks_that_disagree_stop_before_anything_is_carried_out(monkeypatch):
+    """The agreement is the decision's last step and the steps before it are pure: a rank that
+    disagrees has exported, pinned and loaded nothing when it raises."""
+    import os
+
+    from cpuddp.affinity import pin
+
     _shm_everywhere(monkeypatch, {})
-
-    def no_plan(*a, **k):
-        raise AssertionError("a pinning plan was made for a backend the ranks did not agree on")
-
-    monkeypatch.setattr(decide, "plan_for", no_plan)
+    before = (dict(os.environ), pin.current_plan())
     store = dist.HashStore()
     for r in (1, 2, 3):
         store.set(f"b/{r}", "gloo" if r == 2 else "shm")
     with pytest.raises(BackendError, match=r"rank 0: the ranks' backend choices differ: rank 0: shm, rank 2: gloo; "
                        r"1 rank\(s\) differ from this rank's 'shm'"):
         decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=True)
+    assert (dict(os.environ), pin.current_plan()) == before
 
 
 def test_shm_options_carry_the_pinning_plans_cpus(monkeypatch):
@@ -83,4 +88,5 @@ def test_shm_options_carry_the_pinning_plans_cpus(monkeypatch):
         store.set(f"b/{r}", "shm")
         store.set(f"b/inter/{r}", "ccl")
     plan = decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=True)
-    assert plan.pin_plan is not None and plan.options.cpus == tuple(plan.pin_plan.cpus), (plan.pin_plan, plan.options)
+    options = forming.group_options(ENV, plan, {})
+    assert plan.pin_plan is not None and options.cpus == tuple(plan.pin_plan.cpus), (plan.pin_plan, options)

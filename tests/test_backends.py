@@ -311,6 +311,32 @@ def test_mpi_needs_an_mpi_launcher(registry):
     assert resolve_backend("mpi", env.replace(launcher="openmpi")).name == "mpi"
 
 
+def test_mpi_asks_the_launchers_reader_whether_it_starts_an_mpi_world(registry):
+    """A site's launcher says so itself (LauncherReader.mpi_world), not a list in backends/."""
+    from cpuddp.launchers import LauncherReader, register_launcher, unregister_launcher
+
+    class World(LauncherReader):
+        description = "a site's MPI launcher"
+        mpi_world = True
+
+        def detect(self, environ):
+            return False
+
+    class Plain(World):
+        mpi_world = False
+
+    register_backend("mpi", probe=lambda lk: (True, "pretend"), replace=True)
+    register_launcher("sitempi", World())
+    register_launcher("siteplain", Plain())
+    try:
+        assert resolve_backend("mpi", _env(world_size=2, local_world_size=2, launcher="sitempi")).name == "mpi"
+        with pytest.raises(BackendError, match="started by 'siteplain'"):
+            resolve_backend("mpi", _env(world_size=2, local_world_size=2, launcher="siteplain"))
+    finally:
+        unregister_launcher("sitempi")
+        unregister_launcher("siteplain")
+
+
 def test_nccl_without_cuda():
     import torch
 

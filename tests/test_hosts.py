@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from cpuddp.affinity import pin as affinity
 from cpuddp.launchers import hosts
-from cpuddp.backends.decide import agree_backend
+from cpuddp.backends.agreement import agree_backend
 from cpuddp.launchers.env import DistEnv
 from cpuddp.errors import BackendError, RendezvousError
 from cpuddp.topology import synthetic_topology
@@ -87,26 +87,18 @@ def test_plan_stays_inside_disjoint_launcher_sets():
     assert plan.cpus == (4, 5, 6, 7)
 
 
-def test_ranks_whose_auto_choices_differ_stop_naming_each_choice_never_gloo(monkeypatch):
+def test_ranks_whose_auto_choices_differ_stop_naming_each_choice_never_gloo():
     """A store value is never a reason to change backend: a rank that read another's choice as
     gloo (a neighbour can write it: issue 35) stops, naming both choices."""
-    from cpuddp.backends import registry as backends
+    from cpuddp.backends.types import BackendChoice
 
     store = dist.HashStore()
     store.set("b/1", "gloo")  # rank 1 chose gloo
-    real = backends.resolve_backend
-
-    def pick(requested, env, **kw):
-        if requested == "auto":
-            return backends.BackendChoice("shm", "auto: test", None, "auto")
-        return real(requested, env, **kw)
-
-    monkeypatch.setattr(backends, "resolve_backend", pick)
     env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
     with pytest.raises(BackendError, match=r"rank 0: the ranks' backend choices differ: rank 0: shm, rank 1: gloo; "
                        r"1 rank\(s\) differ from this rank's 'shm'") as err:
-        agree_backend("auto", env, store, "b", TD, {})
+        agree_backend(BackendChoice("shm", "auto: test", None, "auto"), "auto", env, store, "b", TD)
     assert "writes to its rendezvous store" in err.value.fix and "backend='gloo'" in err.value.fix
     store.set("c/1", "gloo")
     with pytest.raises(BackendError, match=r"choices differ \(backend='shm' on this rank\): rank 0: shm, rank 1: gloo"):
-        agree_backend("shm", env, store, "c", TD, {})
+        agree_backend(BackendChoice("shm", "by name", None, "shm"), "shm", env, store, "c", TD)

@@ -258,7 +258,7 @@ OWNERS = {
     "pid_alive": HERE, "pid_namespace": HERE, "namespace_id": HERE,
     "HostRecord": "cpuddp.launchers.hosts", "parse_record": "cpuddp.launchers.hosts",
     "STORE_FIX": "cpuddp.launchers.store_values",
-    "agree_backend": "cpuddp.backends.decide",
+    "agree_backend": "cpuddp.backends.agreement",
     "BenchConfig": "cpuddp.bench.config", "RunConfig": "cpuddp.run.command",
     "DoctorConfig": "cpuddp.doctor.command", "PrepareOptions": "cpuddp.train.sharding.options",
 }

@@ -18,7 +18,8 @@ import torch.distributed as dist
 
 from cpuddp.launchers import hosts
 from cpuddp.launchers import store_values
-from cpuddp.backends.decide import agree_backend
+from cpuddp.backends.agreement import agree_backend
+from cpuddp.backends.registry import resolve_backend
 from cpuddp.launchers.env import DistEnv
 from cpuddp.errors import RendezvousError
 from cpuddp.launchers.rendezvous import JOB_KEY, _is_ours, _job_of, _join_job, job_key
@@ -147,7 +148,7 @@ def test_agree_backend_refuses_a_hostile_choice_naming_the_key():
     store = dist.HashStore()
     store.set("agree/1", "gloo; rm -rf /")
     env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
-    _refused(agree_backend, "gloo", env, store, "agree", TD, {}, what="store key agree/1 holds 'gloo; rm -rf /'")
+    _refused(agree_backend, resolve_backend("gloo", env, environ={}), "gloo", env, store, "agree", TD, what="store key agree/1 holds 'gloo; rm -rf /'")
 
 
 # --------------------------------------------------------------------------- the job key

@@ -9,33 +9,31 @@ The pass, in order:
 
 1. **Choose** (:func:`cpuddp.backends.registry.resolve_backend`): this rank's own choice, from
    the proven layout ("auto" takes shm only when every node runs 2+ ranks).
-2. **Agree** (:func:`agree_backend`): every rank's choice through the job's store.  Each rank
-   keeps the choice it made itself: what the store says of the others' can stop the job, never
-   change its backend; ranks that disagree -- under ``"auto"`` too -- are a
+2. **Plan** for that choice: the pinning plan (:func:`cpuddp.affinity.pin.plan_for`) and the
+   settings to export (:func:`cpuddp.backends.settings.backend_env`, only what the user has not
+   set).  Pure: nothing is carried out before step 3 has passed.
+3. **Agree** (:func:`cpuddp.backends.agreement.agree_backend`), last: every rank's choice through the job's store.  Each
+   rank keeps the choice it made itself: what the store says of the others' can stop the job,
+   never change its backend; ranks that disagree -- under ``"auto"`` too -- are a
    :class:`~cpuddp.errors.BackendError` naming each rank's choice (the store is
    unauthenticated: a neighbour who rewrote a rank's choice to ``gloo`` would otherwise move
    the job onto sockets it can reach; docs/security.md).  shm's node-to-node leg is agreed the
-   same way, where a difference means gloo between nodes.
-3. **Plan**: the pinning plan for that backend (:func:`cpuddp.affinity.pin.plan_for`), the
-   settings to export (:func:`cpuddp.backends.settings.backend_env`, only what the user has not
-   set) and the group's options (:func:`cpuddp.backends.settings.shm_options` for shm).
+   same way, where a difference means gloo between nodes (the leg changes no plan of step 2:
+   only the group's options, built from the agreed choice when the group forms).
 """
 
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional, Tuple
 
 from cpuddp.affinity.pin import plan_for
-from cpuddp.errors import BackendError
-from cpuddp.launchers import hosts, store_values
 from cpuddp.topology import here
 
-from . import registry
-from .settings import backend_env, shm_options
+from . import agreement, registry
+from .settings import backend_env
 from .types import BackendChoice
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,9 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
     from cpuddp.launchers.hosts import Layout
 
-__all__ = ["BackendPlan", "decide_backend", "agree_backend"]
-
-log = logging.getLogger("cpuddp")
+__all__ = ["BackendPlan", "decide_backend"]
 
 
 @dataclass(frozen=True)
@@ -57,18 +53,27 @@ class BackendPlan:
     ``choice``: the backend every rank agreed on (``name``, ``inter``: shm's node-to-node leg,
     ``reason``, and the module :func:`cpuddp.backends.registry.load_backend` imports);
     ``pin_plan``: this rank's pinning plan for it (None with ``pin=False``); ``env``: the
-    backend's settings to export to ``os.environ`` (only those the user has not set);
-    ``options``: the group's ``pg_options`` (the shm group's
-    :class:`~cpuddp.backends.shm.api.ShmOptions`; None for the others)."""
+    backend's settings to export to ``os.environ`` (only those the user has not set).  The
+    group's options follow from these (:func:`cpuddp.backends.forming.group_options`)."""
 
     choice: BackendChoice
     pin_plan: Optional["PinPlan"]
     env: Mapping[str, str]
-    options: Any
 
     @property
     def name(self) -> str:
         return self.choice.name
+
+    @property
+    def comm_thread(self) -> bool:
+        """Whether the plan leaves the rank a CPU beyond its compute threads: the communication
+        thread's (shm's ``async_comm``)."""
+        return self.pin_plan is not None and len(self.pin_plan.cpus) > self.pin_plan.num_threads
+
+    @property
+    def compute_cpus(self) -> Optional[Tuple[int, ...]]:
+        """The rank's pinned CPUs (None unpinned): its NUMA node holds its shm slots and level."""
+        return tuple(self.pin_plan.cpus) if self.pin_plan is not None else None
 
 
 def decide_backend(requested: str, env: "DistEnv", layout: Optional["Layout"], store: Optional["Store"], key: str,
@@ -78,59 +83,13 @@ def decide_backend(requested: str, env: "DistEnv", layout: Optional["Layout"], s
     ``layout``: the node layout the ranks proved (None for a world of one, with ``store``);
     ``key``: the store's exchange for the choices (the leg's is ``key/inter``); ``environ``:
     the mapping init reads (the user's settings).  Raises
-    :class:`~cpuddp.errors.BackendError` when the ranks disagree, naming ranks and choices."""
+    :class:`~cpuddp.errors.BackendError` when the ranks disagree, naming ranks and choices:
+    nothing of the plan has been carried out then."""
     local_cpus = layout.local_cpus if layout is not None else None
     node_cpus = len(frozenset().union(*local_cpus)) if local_cpus else (len(here.allowed_cpus()) or None)
     smallest = min(len(n) for n in layout.nodes) if layout is not None else None
-    choice = agree_backend(requested, env, store, key, td, environ, node_cpus, smallest)
-    pin_plan = plan_for(env, backend=choice.name, environ=environ, local_cpus=local_cpus) if pin else None
-    settings = backend_env(env, choice, pin_plan, os.environ)
-    options = None
-    if choice.name == "shm":  # a spare CPU in the plan is the communication thread's
-        spare = pin_plan is not None and len(pin_plan.cpus) > pin_plan.num_threads
-        cpus = tuple(pin_plan.cpus) if pin_plan is not None else None  # the rank's NUMA node: its slots, its level
-        options = shm_options(choice, os.environ, async_comm=spare, local_size=env.local_world_size, cpus=cpus)
-    return BackendPlan(choice, pin_plan, settings, options)
-
-
-def agree_backend(requested: str, env: "DistEnv", store: Optional["Store"], name: str, td: datetime.timedelta,
-                  environ: Mapping[str, str], node_cpus: Optional[int] = None,
-                  smallest_node: Optional[int] = None) -> BackendChoice:
-    """This rank's backend choice, checked against every other rank's through the store under
-    exchange ``name`` (steps 1 and 2 of the module docstring): the choice is this rank's own, or
-    an error naming each rank's.  shm's node-to-node leg (exchange ``name/inter``): oneCCL only
-    when every rank has working bindings, else gloo (a warning names each rank's leg).  Between
-    nodes both legs are plain TCP that a network peer can reach (docs/security.md), so the store
-    choosing gloo there exposes nothing new; within a node the store chooses nothing."""
-    choice = registry.resolve_backend(requested, env, environ=environ, node_cpus=node_cpus,
-                                      smallest_node=smallest_node)  # through the module: tests replace it
-    if store is not None:
-        names = hosts.exchange(store, name, env.rank, env.world_size, choice.name, td, what="backend")
-        names = [store_values.backend_name(f"{name}/{r}", n) for r, n in enumerate(names)]
-        if len(set(names)) != 1:
-            differ = [r for r, n in enumerate(names) if n != choice.name]
-            shown = ", ".join(f"rank {r}: {n}" for r, n in enumerate(names) if r == env.rank or n != choice.name)
-            shown = shown if len(shown) <= 400 else shown[:397] + "..."
-            asked = "" if requested.strip().lower() == "auto" else f" (backend={requested!r} on this rank)"
-            raise BackendError(
-                f"rank {env.rank}: the ranks' backend choices differ{asked}: {shown}; {len(differ)} rank(s) differ "
-                f"from this rank's {choice.name!r}",
-                fix="if every rank runs the same code and software, something other than this job's ranks writes to "
-                    "its rendezvous store (docs/security.md); otherwise make the nodes alike (the same packages, "
-                    "CPUDDP_SHM, ranks per node) or pass the same explicit backend= on every rank, e.g. "
-                    "backend='gloo'",
-            )
-    if store is not None and choice.inter is not None:  # every rank chose shm across the same nodes
-        legs = hosts.exchange(store, f"{name}/inter", env.rank, env.world_size, choice.inter, td, what="backend")
-        legs = [store_values.backend_name(f"{name}/inter/{r}", n) for r, n in enumerate(legs)]
-        if len(set(legs)) != 1:
-            if env.is_main:
-                log.warning("cpuddp: between nodes gloo, not %s: not every rank has working oneCCL bindings (%s)",
-                            choice.inter, ", ".join(f"rank {r}: {n}" for r, n in enumerate(legs)
-                                                    if n != choice.inter)[:400])
-            choice = BackendChoice(choice.name, f"{choice.reason}; between nodes gloo after all: not every rank has "
-                                   f"working oneCCL bindings ({', '.join(sorted(set(legs)))})", choice.module,
-                                   choice.requested, choice.version, choice.distribution, choice.verified, "gloo")
-    if env.is_main:
-        log.info("cpuddp: backend %s (%s)", choice.name, choice.reason)
-    return choice
+    own = registry.resolve_backend(requested, env, environ=environ, node_cpus=node_cpus,
+                                   smallest_node=smallest)  # through the module: tests replace it
+    pin_plan = plan_for(env, backend=own.name, environ=environ, local_cpus=local_cpus) if pin else None
+    settings = backend_env(env, own, pin_plan, os.environ)
+    return BackendPlan(agreement.agree_backend(own, requested, env, store, key, td), pin_plan, settings)

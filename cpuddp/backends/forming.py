@@ -1,28 +1,68 @@
 """Forming the process group init decided on (:mod:`cpuddp.backends.decide`), and proving it works.
 
-:func:`form_group` calls torch's ``init_process_group`` with the job's store and the plan's
-``pg_options`` (an error naming the rendezvous and the interface fix when the ranks cannot
-connect); :func:`first_collective` runs one small all_reduce, so a backend that forms a group
-but cannot communicate fails at init with its explanation (:mod:`cpuddp.backends.failure`),
-not in the first training step.
+:func:`form_group` calls torch's ``init_process_group`` with the job's store and the group's
+options built from the agreed plan (:func:`group_options`; an error naming the rendezvous and
+the interface fix when the ranks cannot connect); :func:`first_collective` runs one small
+all_reduce, so a backend that forms a group but cannot communicate fails at init with its
+explanation (:mod:`cpuddp.backends.failure`), not in the first training step.
+
+Environment variables read: ``CPUDDP_SHM_INTER`` (the user's node-to-node leg for shm, which
+wins over the rule's).
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
 
 from cpuddp.errors import BackendError, RendezvousError, first_line
+
+from .shm.api import INTER_VAR, ShmOptions
+from .types import BackendChoice
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
 
-__all__ = ["form_group", "first_collective"]
+    from .decide import BackendPlan
 
-def form_group(env: "DistEnv", backend: str, store: Any, td: datetime.timedelta, options: Any = None) -> None:
-    """``init_process_group`` with the job's store (a HashStore for a world of one)."""
+__all__ = ["form_group", "group_options", "shm_options", "first_collective"]
+
+log = logging.getLogger("cpuddp.backends")
+
+
+def group_options(env: "DistEnv", plan: "BackendPlan", environ: Mapping[str, str]) -> Any:
+    """The group's ``pg_options`` for the agreed ``plan``: the shm group's
+    :class:`~cpuddp.backends.shm.api.ShmOptions` (the agreed node-to-node leg, the communication
+    thread on a spare CPU of the plan, the launcher's local size, the rank's CPUs), None for the
+    others.  ``environ``: where the user's ``CPUDDP_SHM_INTER`` is read."""
+    if plan.name != "shm":
+        return None
+    return shm_options(plan.choice, environ, async_comm=plan.comm_thread, local_size=env.local_world_size,
+                       cpus=plan.compute_cpus)
+
+
+def shm_options(choice: BackendChoice, environ: Mapping[str, str], *, async_comm: Optional[bool] = None,
+                local_size: Optional[int] = None, cpus: Optional[Tuple[int, ...]] = None) -> ShmOptions:
+    """The shm group's options (``pg_options``): the rule's node-to-node leg
+    (:func:`cpuddp.backends.auto.inter_leg`) unless the user set ``CPUDDP_SHM_INTER`` (then
+    logged, and kept); ``async_comm``, ``local_size`` and ``cpus`` as :class:`~cpuddp.backends.shm.api.ShmOptions`."""
+    inter = choice.inter or "gloo"
+    user = environ.get(INTER_VAR)
+    if user is not None and user.strip():
+        if choice.inter is not None and user.strip().lower() != choice.inter:
+            log.info("cpuddp: %s=%s is your setting and is kept (the rule would take %s between nodes)",
+                     INTER_VAR, user, choice.inter)
+        inter = user.strip().lower()
+    return ShmOptions(inter=inter, async_comm=async_comm, local_size=local_size, cpus=cpus)
+
+
+def form_group(env: "DistEnv", plan: "BackendPlan", store: Any, td: datetime.timedelta) -> None:
+    """``init_process_group`` for ``plan`` with the job's store (a HashStore for a world of one)."""
     import torch.distributed as dist
+
+    backend, options = plan.name, group_options(env, plan, os.environ)
 
     if store is None:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td,

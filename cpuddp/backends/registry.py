@@ -52,6 +52,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Tuple, Union
 
 from cpuddp.errors import BackendError
+from cpuddp.launchers.registry import starts_mpi_world
 
 from .auto import AutoFacts, auto_rule, inter_leg
 from .shm import api as shm_api
@@ -215,10 +216,6 @@ register_backend("shm", module="cpuddp.shm", devices=("cpu",), probe=_shm_probe,
                  description="cpuddp's shared-memory collectives within a node, gloo or oneCCL between nodes "
                              "(cpuddp.shm)")
 
-#: The launcher families that start ranks as MPI processes (the mpi backend needs one).
-_MPI_LAUNCHERS = ("hydra", "openmpi", "pmix", "mvapich", "slurm")
-
-
 def backend_status(name: str, *, metadata: Any = None, find_module: Any = None,
                    environ: Optional[Mapping[str, str]] = None,
                    import_probe: Optional[ImportProbe] = None) -> BackendStatus:
@@ -311,7 +308,7 @@ def resolve_backend(
             f"backend={name!r} was requested, but it cannot run here: {st.reason}",
             fix=f"install it{pkg}, or pass backend='auto' or 'gloo'",
         )
-    if name == "mpi" and env.world_size > 1 and env.launcher not in _MPI_LAUNCHERS:
+    if name == "mpi" and env.world_size > 1 and not starts_mpi_world(env.launcher):
         raise BackendError(
             f"backend='mpi' needs ranks started by an MPI launcher, but this job was started by "
             f"{env.launcher!r} (each rank would be an MPI world of its own)",

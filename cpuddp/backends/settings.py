@@ -22,10 +22,9 @@ Configuring (:func:`backend_env`, pure) returns the variables to export before
 ================================  ==========================================================
 
 The shm group takes its settings as process-group options, not variables
-(:func:`shm_options`: the node-to-node leg, the communication thread, the launcher's local size).
+(:func:`cpuddp.backends.forming.shm_options`).
 
-Environment variables read: the ones above (to leave the user's alone), ``CPUDDP_SHM_INTER``
-(the user's node-to-node leg for shm, which wins over the rule's), ``CCL_ROOT``,
+Environment variables read: the ones above (to leave the user's alone), ``CCL_ROOT``,
 ``ONEAPI_ROOT``, Intel MPI's ``I_MPI_HYDRA_*`` (to tell its Hydra from MPICH's).  Written:
 none (:func:`cpuddp.init_distributed` exports).  Loopback is :func:`cpuddp.launchers.is_loopback`'s
 call; ``CCL_WORKER_COUNT``/``CCL_WORKER_AFFINITY`` are :mod:`cpuddp.affinity.ccl_workers`'s.
@@ -50,14 +49,12 @@ from cpuddp.affinity.ccl_workers import (
 from cpuddp.launchers.netif import Route, is_loopback_address
 from cpuddp.launchers.parsers import is_loopback
 
-from .shm.api import INTER_VAR, ShmOptions
 from .types import BackendChoice
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
 
-__all__ = ["RouteLookup", "CclPaths", "backend_env", "ccl_settings", "ccl_env", "find_ccl_paths", "gloo_env",
-           "shm_options"]
+__all__ = ["RouteLookup", "CclPaths", "backend_env", "ccl_settings", "ccl_env", "find_ccl_paths", "gloo_env"]
 
 log = logging.getLogger("cpuddp.backends")
 
@@ -90,21 +87,6 @@ def backend_env(
         out.update(ccl_env(env, plan, environ, paths=ccl_paths))
     out.update(gloo_env(env, environ, route_lookup=route_lookup))
     return out
-
-
-def shm_options(choice: BackendChoice, environ: Mapping[str, str], *, async_comm: Optional[bool] = None,
-                local_size: Optional[int] = None, cpus: Optional[Tuple[int, ...]] = None) -> ShmOptions:
-    """The shm group's options (``pg_options``): the rule's node-to-node leg
-    (:func:`cpuddp.backends.auto.inter_leg`) unless the user set ``CPUDDP_SHM_INTER`` (then
-    logged, and kept); ``async_comm``, ``local_size`` and ``cpus`` as :class:`~cpuddp.backends.shm.api.ShmOptions`."""
-    inter = choice.inter or "gloo"
-    user = environ.get(INTER_VAR)
-    if user is not None and user.strip():
-        if choice.inter is not None and user.strip().lower() != choice.inter:
-            log.info("cpuddp: %s=%s is your setting and is kept (the rule would take %s between nodes)",
-                     INTER_VAR, user, choice.inter)
-        inter = user.strip().lower()
-    return ShmOptions(inter=inter, async_comm=async_comm, local_size=local_size, cpus=cpus)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ def slurm_pmi(environ: Mapping[str, str]) -> bool:
 
 class HydraReader(WorldReader):
     description = "Intel MPI / MPICH (Hydra)"
+    mpi_world = True
     rank_variable = "PMI_RANK"
     size_variable = "PMI_SIZE"
     job_variables = ("I_MPI_HYDRA_UUID", "PMIX_NAMESPACE")

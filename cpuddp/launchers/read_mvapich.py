@@ -9,6 +9,7 @@ __all__ = ["MvapichReader"]
 
 class MvapichReader(WorldReader):
     description = "MVAPICH2"
+    mpi_world = True
     rank_variable = "MV2_COMM_WORLD_RANK"
     size_variable = "MV2_COMM_WORLD_SIZE"
     job_variables = ("MPIRUN_ID",)

@@ -11,6 +11,7 @@ __all__ = ["OpenMPIReader"]
 
 class OpenMPIReader(WorldReader):
     description = "Open MPI"
+    mpi_world = True
     rank_variable = "OMPI_COMM_WORLD_RANK"
     size_variable = "OMPI_COMM_WORLD_SIZE"
     job_variables = ("PMIX_NAMESPACE", "OMPI_MCA_orte_ess_jobid", "OMPI_MCA_ess_base_jobid")

@@ -16,6 +16,7 @@ __all__ = ["PmixReader"]
 
 class PmixReader(WorldReader):
     description = "PMIx"
+    mpi_world = True
     rank_variable = "PMIX_RANK"
     shared_rank_variable = True
     size_variable = "WORLD_SIZE"

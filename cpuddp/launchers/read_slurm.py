@@ -23,6 +23,7 @@ class SlurmReader(LauncherReader):
     """Slurm's ``srun`` tasks; a batch script (no ``SLURM_STEP_ID``) is a single process."""
 
     description = "Slurm srun"
+    mpi_world = True
 
     def detect(self, environ: Mapping[str, str]) -> bool:
         v = self.variables(environ)

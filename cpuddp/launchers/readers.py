@@ -155,6 +155,9 @@ class LauncherReader:
     #: True when other launchers set ``rank_variable`` too (PMIx's ``PMIX_RANK``: Open MPI and
     #: Slurm set it): it is checked last, so a conflict names the launcher that set it.
     shared_rank_variable: bool = False
+    #: True when the launcher starts its ranks as the processes of one MPI world (what
+    #: ``backend='mpi'`` needs).
+    mpi_world: bool = False
 
     def detect(self, environ: Mapping[str, str]) -> bool:
         """True when this launcher's variables describe this process."""

@@ -77,6 +77,7 @@ __all__ = [
     "register_launcher",
     "unregister_launcher",
     "registered_launchers",
+    "starts_mpi_world",
     "detect",
     "LAUNCHER_ENV_PREFIXES",
     "LAUNCHER_ENV_NAMES",
@@ -175,6 +176,14 @@ def registered_launchers() -> tuple[tuple[str, LauncherReader], ...]:
     """The registered readers, ``(name, reader)`` in the order :func:`detect` tries them."""
     with _registry_lock:
         return tuple(_READERS.items())
+
+
+def starts_mpi_world(name: str) -> bool:
+    """Whether launcher family ``name`` starts its ranks as one MPI world (its reader's
+    ``mpi_world``); False for a name not registered."""
+    with _registry_lock:
+        reader = _READERS.get(name)
+    return bool(reader is not None and reader.mpi_world)
 
 
 #: The built-in readers, in the order of the table above: the one place that lists them.
