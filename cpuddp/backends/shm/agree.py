@@ -82,9 +82,28 @@ class Pinned(list):
 READERS: Dict[int, Callable[[Sequence[int]], List[str]]] = {}
 
 
+#: single-tensor calls already encoded, ``(kind, op, root, dtype, numel) -> Call`` (a training loop
+#: repeats a few shapes; bounded)
+_ENCODED: Dict[Tuple[Any, ...], Call] = {}
+_ENCODED_MAX = 4096
+
+
 def encode(kind: str, tensors: Sequence[Any] = (), *, op: Optional[int] = None, root: Optional[int] = None) -> Call:
     """The :class:`Call` for collective ``kind`` over ``tensors`` (the tensors every rank must
     hold alike: their total element count, the first one's dtype, their number and sizes)."""
+    if len(tensors) != 1 or getattr(tensors, "fields", None):
+        return _encode(kind, tensors, op, root)
+    t = tensors[0]
+    key = (kind, op, root, t.dtype, t.numel())
+    call = _ENCODED.get(key)
+    if call is None:
+        if len(_ENCODED) >= _ENCODED_MAX:
+            _ENCODED.clear()
+        call = _ENCODED[key] = _encode(kind, tensors, op, root)
+    return call
+
+
+def _encode(kind: str, tensors: Sequence[Any], op: Optional[int], root: Optional[int]) -> Call:
     fields = getattr(tensors, "fields", {})
     tensors = list(tensors)
     sizes = ",".join(str(int(t.numel())) for t in tensors)

@@ -153,8 +153,12 @@ class Collectives:
 
     def _all_gather_single(self, output: torch.Tensor, inp: torch.Tensor) -> None:
         with staged(output, out=True) as flat, staged(inp, out=False) as fin:
-            # the output's rows as one view: the engine copies them in one op, not one per rank
-            rows = list(flat_bytes(flat).view(self.size(), -1)) if inp.numel() else [flat_bytes(flat)] * self.size()
+            if not inp.numel():
+                rows: Any = [flat_bytes(flat)] * self.size()
+            elif self._hier is None:  # the output's rows as one [n, bytes] view: no object per rank
+                rows = flat_bytes(flat).view(self.size(), -1)
+            else:
+                rows = list(flat_bytes(flat).view(self.size(), -1))
             (self._hier or self._eng).all_gather(flat_bytes(fin), rows)
 
     def all_gather_single(self, output: Any, input: Any, *args: Any, **kw: Any) -> Any:  # noqa: A002
@@ -276,6 +280,13 @@ class Collectives:
 
     def _reduce_scatter_single(self, out: torch.Tensor, inp: torch.Tensor, code: Any, fn: Callable[..., Any]) -> None:
         with staged(inp, out=False) as flat:
+            if self._hier is None and out.numel() and not forms.overlaps(out, flat):
+                # the input's parts as one [n, part] view, the output written in place: no object per rank
+                with staged(out, out=True) as dst:
+                    self._eng.reduce_scatter(flat.view(self.size(), -1), dst, fn)
+                    if code == AVG and self.size() > 1:
+                        dst.div_(self.size())
+                return
             parts = list(flat.view(self.size(), -1)) if out.numel() else [flat] * self.size()
             self._reduce_scatter(out, parts, code, fn)
 

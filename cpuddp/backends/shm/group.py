@@ -201,7 +201,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             body()
             ch.settle()  # a call with no round (nothing to move) is compared here
 
-        return self._stream.run(run, result, sum(t.numel() * t.element_size() for t in agreed))
+        return self._stream.run(run, result, lambda: sum(t.numel() * t.element_size() for t in agreed))
 
     def _on_error(self, exc: BaseException) -> None:
         if self._eng is not None:

@@ -117,7 +117,7 @@ class TwoLevel:
     def all_reduce(self, flat: torch.Tensor, fn: Callable[..., Any]) -> None:
         eng, me = self.eng, self.me
         rows, red = eng.seg.rows(flat.dtype), rows_reducer(fn, flat.dtype)
-        for e, chunk, k in eng.copied_in(flat, rows):
+        for e, chunk, k in eng.copied_in(flat):
             a, b = rows[e & 1], rows[(e + 1) & 1]
             spans = self.spans(k, flat.element_size())
             for p in self.mine:

@@ -47,7 +47,7 @@ segment's abort word makes the peers stop too (:mod:`cpuddp.backends.shm.channel
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,10 +78,13 @@ def block(t: torch.Tensor, rows: int, cols: int, row_stride: int, offset: int) -
     return torch.as_strided(t, (rows, cols), (row_stride, 1), offset)
 
 
-def rows_of(ts: Sequence[Optional[torch.Tensor]]) -> Optional[Tuple[torch.Tensor, int, int]]:
+def rows_of(ts: Any) -> Optional[Tuple[torch.Tensor, int, int]]:
     """``(first, step, offset)`` when ``ts`` are 1-D contiguous tensors of one size and dtype,
     evenly spaced (``step`` elements apart, no overlap) in one storage: rows of one view
-    (:func:`block`); else None."""
+    (:func:`block`); else None.  A 2-D tensor with contiguous rows (a single-tensor collective's
+    ``[n, part]`` view) is its rows."""
+    if isinstance(ts, torch.Tensor):
+        return ts, ts.stride(0), ts.storage_offset()
     first = ts[0]
     if first is None or first.dim() != 1 or (first.numel() > 1 and first.stride(0) != 1):
         return None
@@ -97,6 +100,35 @@ def rows_of(ts: Sequence[Optional[torch.Tensor]]) -> Optional[Tuple[torch.Tensor
     return first, step, first.storage_offset()
 
 
+#: sizes whose round views :meth:`LocalEngine._parts_views` keeps (then it starts again)
+_VIEWS_MAX = 64
+
+
+class _PartsOut(NamedTuple):
+    """The sources of the copy out of a ``k``-element chunk's parts: ``whole`` parts of ``p``
+    elements (the ``diagonal`` blocks of the rows), then a short ``tail`` part (or None)."""
+
+    whole: int
+    p: int
+    k: int
+    diagonal: Optional[torch.Tensor]
+    tail: Optional[torch.Tensor]
+
+
+class _PartsRound(NamedTuple):
+    reduce: Optional[torch.Tensor]  # this rank's part of every slot (None: its part is empty)
+    result: Optional[torch.Tensor]  # its part of its own slot of the other buffer
+    out: _PartsOut
+
+
+def _copy_parts_out(src: _PartsOut, dst: torch.Tensor) -> None:
+    """``dst`` (the chunk) gets every part: one strided copy (and one for a short last part)."""
+    if src.diagonal is not None:
+        block(dst, src.whole, src.p, src.p, dst.storage_offset()).copy_(src.diagonal)
+    if src.tail is not None:
+        dst[src.whole * src.p:src.k].copy_(src.tail)
+
+
 class LocalEngine:
     """One group's collectives among the ranks of this node (used by one thread at a time), over
     its :class:`~cpuddp.backends.shm.channel.Channel`: each round is ``ch.round(e)``."""
@@ -107,6 +139,7 @@ class LocalEngine:
         #: the two-level all_reduce (:class:`cpuddp.backends.shm.levels.TwoLevel`) when the node's
         #: NUMA plan has two or more groups, set by the group; else None: the one-level path
         self.levels: Optional[Any] = None
+        self._parts: Dict[Tuple[torch.dtype, int], List[_PartsRound]] = {}
 
     # ------------------------------------------------------------------ helpers
 
@@ -135,13 +168,32 @@ class LocalEngine:
     def parts_out(self, buf: torch.Tensor, k: int, dst: torch.Tensor) -> None:
         """``dst`` (``k`` elements) gets part ``r`` of the chunk from row ``r`` of ``buf``, for every
         ``r``: the diagonal blocks of the rows, in one strided copy (and one for a short last part)."""
+        _copy_parts_out(self._parts_out_sources(buf, k), dst)
+
+    def _parts_out_sources(self, buf: torch.Tensor, k: int) -> "_PartsOut":
         p = part_length(k, self.n, buf.element_size())
         whole = min(k // p, self.n)
-        if whole:
-            block(dst, whole, p, p, dst.storage_offset()).copy_(
-                block(buf, whole, p, buf.stride(0) + p, buf.storage_offset()))
-        if whole < self.n and whole * p < k:
-            dst[whole * p:k].copy_(self.row(buf, whole, whole * p, k))
+        diagonal = block(buf, whole, p, buf.stride(0) + p, buf.storage_offset()) if whole else None
+        tail = self.row(buf, whole, whole * p, k) if whole < self.n and whole * p < k else None
+        return _PartsOut(whole, p, k, diagonal, tail)
+
+    def _parts_views(self, dtype: torch.dtype, k: int) -> List["_PartsRound"]:
+        """``[parity]``: the views one round of the N-rank all_reduce of ``k`` elements uses, made
+        once per size (a training loop repeats a few): rank ``me``'s part of every slot of buffer
+        ``parity`` (what it reduces), its part of its slot of the other buffer (where the result
+        goes), and the other buffer's parts (what every rank copies out)."""
+        key = (dtype, k)
+        views = self._parts.get(key)
+        if views is None:
+            rows = self.seg.rows(dtype)
+            lo, hi = self.my_part(k, rows[0].element_size())
+            views = [_PartsRound(self.part_rows(rows[p], lo, hi) if hi > lo else None,
+                                 self.row(rows[1 - p], self.me, lo, hi) if hi > lo else None,
+                                 self._parts_out_sources(rows[1 - p], k)) for p in (0, 1)]
+            if len(self._parts) >= _VIEWS_MAX:
+                self._parts.clear()
+            self._parts[key] = views
+        return views
 
     # ------------------------------------------------------------------ collectives
 
@@ -156,38 +208,37 @@ class LocalEngine:
             self._all_reduce_parts(flat, fn)
 
     def _all_reduce_pair(self, flat: torch.Tensor, fn: Callable[..., Any]) -> None:
-        slots, me = self.seg.slots(flat.dtype), self.me
+        me = self.me
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.ch.next_round()
-            buf = slots[e & 1]
+            buf = self.seg.prefixes(flat.dtype, k)[e & 1]
             mine = flat[o:o + k] if k != flat.numel() else flat
-            buf[me][:k].copy_(mine)
+            buf[me].copy_(mine)
             self.ch.round(e)
-            theirs = buf[1 - me][:k]
+            theirs = buf[1 - me]
             if me == 0:
                 fn(mine, theirs, out=mine)
             else:
                 fn(theirs, mine, out=mine)
 
-    def copied_in(self, flat: torch.Tensor, rows: List[torch.Tensor]) -> Iterator[Tuple[int, torch.Tensor, int]]:
-        """Each chunk of ``flat`` (at most a slot) copied into this rank's row of ``rows[e % 2]``, and
-        every peer's too (the round's sync): ``(e, chunk, k)``, ``k`` elements."""
+    def copied_in(self, flat: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor, int]]:
+        """Each chunk of ``flat`` (at most a slot) copied into this rank's slot of buffer ``e % 2``,
+        and every peer's too (the round's sync): ``(e, chunk, k)``, ``k`` elements."""
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.ch.next_round()
             chunk = flat[o:o + k] if k != flat.numel() else flat
-            self.row(rows[e & 1], self.me, 0, k).copy_(chunk)
+            self.seg.prefixes(flat.dtype, k)[e & 1][self.me].copy_(chunk)
             self.ch.round(e)
             yield e, chunk, k
 
     def _all_reduce_parts(self, flat: torch.Tensor, fn: Callable[..., Any]) -> None:
-        rows, me, red = self.seg.rows(flat.dtype), self.me, rows_reducer(fn, flat.dtype)
-        for e, chunk, k in self.copied_in(flat, rows):
-            src, out = rows[e & 1], rows[(e + 1) & 1]
-            lo, hi = self.my_part(k, flat.element_size())
-            if hi > lo:
-                red(self.part_rows(src, lo, hi), self.row(out, me, lo, hi))
+        red = rows_reducer(fn, flat.dtype)
+        for e, chunk, k in self.copied_in(flat):
+            views = self._parts_views(flat.dtype, k)[e & 1]
+            if views.reduce is not None:
+                red(views.reduce, views.result)
             self.ch.round(e + 1)
-            self.parts_out(out, k, chunk)
+            _copy_parts_out(views.out, chunk)
 
     def reduce(self, flat: torch.Tensor, root: int, fn: Callable[..., Any]) -> None:
         if self.n == 1 or not flat.numel():
@@ -205,39 +256,40 @@ class LocalEngine:
                 red(buf[:, :k], flat[o:o + k])
 
     def _reduce_pair(self, flat: torch.Tensor, root: int, fn: Callable[..., Any]) -> None:
-        slots, me = self.seg.slots(flat.dtype), self.me
+        me = self.me
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.ch.next_round()
-            buf = slots[e & 1]
+            buf = self.seg.prefixes(flat.dtype, k)[e & 1]
             if me != root:
-                buf[me][:k].copy_(flat[o:o + k])
+                buf[me].copy_(flat[o:o + k] if k != flat.numel() else flat)
             self.ch.round(e)
             if me == root:
-                mine, theirs = flat[o:o + k], buf[1 - me][:k]
+                mine, theirs = (flat[o:o + k] if k != flat.numel() else flat), buf[1 - me]
                 fn(*((mine, theirs) if me == 0 else (theirs, mine)), out=mine)
 
     def broadcast(self, flat: torch.Tensor, root: int) -> None:
         """``flat``: bytes (:func:`cpuddp.backends.shm.ops.flat_bytes`)."""
         if self.n == 1 or not flat.numel():
             return
-        slots, me = self.seg.slots(torch.uint8), self.me
+        me = self.me
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.ch.next_round()
-            buf = slots[e & 1]
+            buf = self.seg.prefixes(torch.uint8, k)[e & 1]
             chunk = flat[o:o + k] if k != flat.numel() else flat
             if me == root:
-                buf[me][:k].copy_(chunk)
+                buf[me].copy_(chunk)
             self.ch.round(e)
             if me != root:
-                chunk.copy_(buf[root][:k])
+                chunk.copy_(buf[root])
 
     def all_gather(self, inp: torch.Tensor, outs: Sequence[Optional[torch.Tensor]], root: Optional[int] = None) -> None:
         """Bytes: ``outs[r]`` gets rank r's ``inp``.  With ``root``: a gather (only the root's
         ``outs`` are written; the others may pass Nones)."""
         me = self.me
         reads = root is None or root == me
-        if reads and outs[me] is not None and outs[me].data_ptr() != inp.data_ptr():  # type: ignore[union-attr]
-            outs[me].copy_(inp)  # type: ignore[union-attr]
+        own = outs[me] if reads else None
+        if own is not None and own.data_ptr() != inp.data_ptr():
+            own.copy_(inp)
         if self.n == 1 or not inp.numel():
             return
         rows = self.seg.rows(torch.uint8)
@@ -246,7 +298,7 @@ class LocalEngine:
             e = self.ch.next_round()
             buf = rows[e & 1]
             if root != me or root is None:
-                buf[me, :k].copy_(inp[o:o + k] if k != inp.numel() else inp)
+                self.seg.prefixes(torch.uint8, k)[e & 1][me].copy_(inp[o:o + k] if k != inp.numel() else inp)
             self.ch.round(e)
             if reads:
                 self._copy_rows_out(buf, k, o, outs, spaced)
@@ -295,16 +347,16 @@ class LocalEngine:
             red(self.part_rows(buf, me * cap, me * cap + c), out[o:o + c] if c != out.numel() else out)
 
     def _reduce_scatter_pair(self, inps: Sequence[torch.Tensor], out: torch.Tensor, fn: Callable[..., Any]) -> None:
-        me, slots = self.me, self.seg.slots(out.dtype)
+        me, other, m = self.me, 1 - self.me, out.numel()
         cap = self._cap(out, 2)
-        other = 1 - me
-        for o, c in self._rounds(out.numel(), cap):
+        mine_in, their_in = inps[me], inps[other]
+        for o, c in self._rounds(m, cap):
             e = self.ch.next_round()
-            buf = slots[e & 1]
-            buf[me][other * cap:other * cap + c].copy_(inps[other][o:o + c])
+            whole = c == m
+            self.seg.regions(out.dtype, other * cap, c)[e & 1][me].copy_(their_in if whole else their_in[o:o + c])
             self.ch.round(e)
-            mine, theirs = inps[me][o:o + c], buf[other][me * cap:me * cap + c]
-            fn(*((mine, theirs) if me == 0 else (theirs, mine)), out=out[o:o + c])
+            mine, theirs = mine_in if whole else mine_in[o:o + c], self.seg.regions(out.dtype, me * cap, c)[e & 1][other]
+            fn(*((mine, theirs) if me == 0 else (theirs, mine)), out=out if whole else out[o:o + c])
 
     def scatter(self, inps: Optional[Sequence[torch.Tensor]], out: torch.Tensor, root: int) -> None:
         """Bytes: rank r's ``out`` gets the root's ``inps[r]``."""

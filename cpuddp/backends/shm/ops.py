@@ -57,8 +57,15 @@ def _torch_has(fn: Callable[..., torch.Tensor], dtype: torch.dtype) -> bool:
     return _works[key]
 
 
+#: ``(op, dtype) -> function`` for the pairs :func:`reducer` accepted (a call's lookup, not its checks)
+_reducers: Dict[Tuple[Any, torch.dtype], Callable[..., torch.Tensor]] = {}
+
+
 def reducer(code: Any, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
     """The elementwise function of reduce op ``code`` on ``dtype`` (rank order: ``fn(a, b, out=)``)."""
+    known = _reducers.get((code, dtype))
+    if known is not None:
+        return known
     fn = _FUNCTIONS.get(code)
     name = getattr(code, "name", str(code))
     if fn is None:
@@ -72,6 +79,7 @@ def reducer(code: Any, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
         raise BackendError(f"the shm backend cannot reduce {dtype} tensors with ReduceOp.{name}: torch has no "
                            f"{fn.__name__} kernel for {dtype}",
                            fix=f"cast to a dtype torch can {fn.__name__} (e.g. int64 or float32) before the collective")
+    _reducers[(code, dtype)] = fn
     return fn
 
 

@@ -103,6 +103,7 @@ class Segment:
         self.raw = torch.frombuffer(self.mm, dtype=torch.uint8, count=total - slots, offset=slots)
         self._rows: Dict[torch.dtype, List[torch.Tensor]] = {}
         self._views: Dict[torch.dtype, List[List[torch.Tensor]]] = {}
+        self._regions: Dict[Tuple[torch.dtype, int, int], List[List[torch.Tensor]]] = {}
         self.forked = False
         self.lock_fd = -1  # the liveness lock's own open file description (hold_liveness)
         close_in_forked_child(self)
@@ -135,6 +136,24 @@ class Segment:
             views = [[flat[(p * self.size + r) * n:(p * self.size + r + 1) * n] for r in range(self.size)]
                      for p in (0, 1)]
             self._views[dtype] = views
+        return views
+
+    def prefixes(self, dtype: torch.dtype, k: int) -> List[List[torch.Tensor]]:
+        """``[parity][local rank]`` views of the first ``k`` elements of ``dtype`` of each slot."""
+        return self.regions(dtype, 0, k)
+
+    def regions(self, dtype: torch.dtype, start: int, k: int) -> List[List[torch.Tensor]]:
+        """``[parity][local rank]`` views of elements ``start:start + k`` of ``dtype`` of each slot:
+        made once per region (a training loop repeats a few sizes), so a round makes no view."""
+        key = (dtype, start, k)
+        views = self._regions.get(key)
+        if views is None:
+            whole = self.slots(dtype)
+            views = whole if (start, k) == (0, whole[0][0].numel()) else [[s[start:start + k] for s in par]
+                                                                           for par in whole]
+            if len(self._regions) >= _REGIONS_MAX:
+                self._regions.clear()
+            self._regions[key] = views
         return views
 
     def rows(self, dtype: torch.dtype) -> List[torch.Tensor]:
@@ -172,6 +191,10 @@ class Segment:
         self.forked = True
         self.close()
 
+
+
+#: regions whose slot views :meth:`Segment.regions` keeps (then it starts again)
+_REGIONS_MAX = 64
 
 
 #: ``madvise(MADV_POPULATE_WRITE)`` (Linux 5.14): map allocated pages ahead, as MAP_POPULATE did

@@ -58,19 +58,20 @@ def async_setting(option: Optional[bool], environ: Any = os.environ) -> bool:
 
 class ShmWork(dist.Work):
     """A collective's handle: ``wait()`` raises its error (the Work torch makes from a future
-    does not), ``get_future()`` is what DDP's reducer chains on."""
+    does not), ``get_future()`` is what DDP's reducer chains on.  A collective that ran in the
+    caller's thread (:meth:`done`) has finished: its future is made only if asked for."""
 
-    def __init__(self, fut: "torch.futures.Future[Any]") -> None:
+    def __init__(self, fut: "Optional[torch.futures.Future[Any]]", result: Any = None) -> None:
         super().__init__()
-        self._fut = fut
+        self._fut, self._result = fut, result
 
     @classmethod
     def done(cls, result: Any) -> "ShmWork":
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(result)
-        return cls(fut)
+        return cls(None, result)
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
+        if self._fut is None:
+            return True
         if timeout is not None and timeout.total_seconds() > 0 and not self._fut.done():
             finished = threading.Event()
             self._fut.add_done_callback(lambda _f: finished.set())
@@ -81,12 +82,18 @@ class ShmWork(dist.Work):
         return True
 
     def get_future(self) -> "torch.futures.Future[Any]":
+        if self._fut is None:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(self._result)
+            self._fut = fut
         return self._fut
 
     def is_completed(self) -> bool:
-        return self._fut.done()
+        return self._fut is None or self._fut.done()
 
     def is_success(self) -> bool:
+        if self._fut is None:
+            return True
         if not self._fut.done():
             return False
         try:
@@ -96,7 +103,7 @@ class ShmWork(dist.Work):
         return True
 
     def result(self) -> Any:
-        return self._fut.value()
+        return self._result if self._fut is None else self._fut.value()
 
 
 class GatheredWork(dist.Work):
@@ -158,12 +165,13 @@ class Stream:
                                             daemon=True)
             self._thread.start()
 
-    def run(self, fn: Callable[[], None], result: Any, nbytes: int) -> ShmWork:
-        """Run ``fn`` (one collective) and return its Work."""
+    def run(self, fn: Callable[[], None], result: Any, nbytes: Callable[[], int]) -> ShmWork:
+        """Run ``fn`` (one collective) and return its Work; ``nbytes()``: the bytes it moves
+        (asked only with the communication thread on)."""
         with self._lock:
             if self._closed:
                 raise dist.DistBackendError("the shm process group was shut down")
-            queued = self._thread is not None and (self._pending or nbytes >= ASYNC_FROM)
+            queued = self._thread is not None and (self._pending or nbytes() >= ASYNC_FROM)
             if queued:
                 fut: torch.futures.Future = torch.futures.Future()
                 self._pending += 1
