@@ -15,7 +15,10 @@ Per-call work does not grow with ``n``: the slots of a buffer are one ``[n, slot
 (:meth:`~cpuddp.backends.shm.segment.Segment.rows`), so a rank reads or writes every slot in
 one op -- one reduction over dim 0 (:func:`cpuddp.backends.shm.ops.rows_reducer`), one strided
 copy of the parts every rank reduced (the diagonal blocks of the view) -- and every op covers
-whole slots, big enough for the rank's intra-op threads.
+whole slots, big enough for the rank's intra-op threads.  The views of the segment a round uses
+are made once per message size and kept (:meth:`~cpuddp.backends.shm.segment.Segment.regions`,
+``LocalEngine._parts_views``; a training loop repeats a few sizes): in Python, a view costs
+about as much as copying 4 KiB.
 
 * ``all_reduce``: 2 ranks -- each copies its chunk in, then sums ``slot0 + slot1`` in rank
   order straight into its own tensor (its own operand read from its tensor, not the slot);
