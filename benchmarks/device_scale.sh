@@ -8,7 +8,7 @@
 # 2. 2-rank bimodality: the same allreduce and broadcast sweep 6 times each, per-size spread
 #    (max/min of the per-run times) -- before the fix 256K-1M sizes took 55-85 or 400-500 us  (budget 100 s)
 # 3. the CPU cost of waiting 3 s for a late peer (benchmarks/wait_cost.py)  (budget 30 s); what one
-#    4 KiB call costs at 8 and 16 ranks (benchmarks/call_cost.py)  (budget 2 x 25 s)
+#    4 KiB call costs at 8 and 16 ranks (benchmarks/call_cost.py)  (budget 2 x 40 s)
 # 4. DDP samples/s, gloo vs shm, at 2 and 8 ranks (benchmarks/shm_ddp.py, short)  (budget 60 s)
 set -u
 OUT=${OUT:-/tmp/device_scale}
@@ -59,7 +59,7 @@ echo "after $(( $(date +%s) - start )) s"
 echo "== 3. waiting 3 s for a late peer"
 timeout 40 $PY benchmarks/wait_cost.py --late 3 --repeats 2 | tee "$OUT/wait_cost.txt"
 for n in 8 16; do
-  timeout 25 $PY benchmarks/call_cost.py --nproc $n --calls 500 --repeats 3 | tee -a "$OUT/call_cost.txt"
+  timeout 40 $PY benchmarks/call_cost.py --nproc $n --calls 500 --repeats 3 | tee -a "$OUT/call_cost.txt"
 done
 
 echo "== 4. DDP, gloo vs shm, 2 and 8 ranks (if time is left)"
