@@ -214,7 +214,7 @@ class LocalEngine:
         me = self.me
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.ch.next_round()
-            buf = self.seg.prefixes(flat.dtype, k)[e & 1]
+            buf = self.seg.regions(flat.dtype, 0, k)[e & 1]
             mine = flat[o:o + k] if k != flat.numel() else flat
             buf[me].copy_(mine)
             self.ch.round(e)
@@ -230,7 +230,7 @@ class LocalEngine:
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.ch.next_round()
             chunk = flat[o:o + k] if k != flat.numel() else flat
-            self.seg.prefixes(flat.dtype, k)[e & 1][self.me].copy_(chunk)
+            self.seg.regions(flat.dtype, 0, k)[e & 1][self.me].copy_(chunk)
             self.ch.round(e)
             yield e, chunk, k
 
@@ -262,7 +262,7 @@ class LocalEngine:
         me = self.me
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.ch.next_round()
-            buf = self.seg.prefixes(flat.dtype, k)[e & 1]
+            buf = self.seg.regions(flat.dtype, 0, k)[e & 1]
             if me != root:
                 buf[me].copy_(flat[o:o + k] if k != flat.numel() else flat)
             self.ch.round(e)
@@ -277,7 +277,7 @@ class LocalEngine:
         me = self.me
         for o, k in self._rounds(flat.numel(), self._cap(flat)):
             e = self.ch.next_round()
-            buf = self.seg.prefixes(torch.uint8, k)[e & 1]
+            buf = self.seg.regions(torch.uint8, 0, k)[e & 1]
             chunk = flat[o:o + k] if k != flat.numel() else flat
             if me == root:
                 buf[me].copy_(chunk)
@@ -301,7 +301,7 @@ class LocalEngine:
             e = self.ch.next_round()
             buf = rows[e & 1]
             if root != me or root is None:
-                self.seg.prefixes(torch.uint8, k)[e & 1][me].copy_(inp[o:o + k] if k != inp.numel() else inp)
+                self.seg.regions(torch.uint8, 0, k)[e & 1][me].copy_(inp[o:o + k] if k != inp.numel() else inp)
             self.ch.round(e)
             if reads:
                 self._copy_rows_out(buf, k, o, outs, spaced)
@@ -358,7 +358,8 @@ class LocalEngine:
             whole = c == m
             self.seg.regions(out.dtype, other * cap, c)[e & 1][me].copy_(their_in if whole else their_in[o:o + c])
             self.ch.round(e)
-            mine, theirs = mine_in if whole else mine_in[o:o + c], self.seg.regions(out.dtype, me * cap, c)[e & 1][other]
+            mine = mine_in if whole else mine_in[o:o + c]
+            theirs = self.seg.regions(out.dtype, me * cap, c)[e & 1][other]
             fn(*((mine, theirs) if me == 0 else (theirs, mine)), out=out if whole else out[o:o + c])
 
     def scatter(self, inps: Optional[Sequence[torch.Tensor]], out: torch.Tensor, root: int) -> None:

@@ -138,10 +138,6 @@ class Segment:
             self._views[dtype] = views
         return views
 
-    def prefixes(self, dtype: torch.dtype, k: int) -> List[List[torch.Tensor]]:
-        """``[parity][local rank]`` views of the first ``k`` elements of ``dtype`` of each slot."""
-        return self.regions(dtype, 0, k)
-
     def regions(self, dtype: torch.dtype, start: int, k: int) -> List[List[torch.Tensor]]:
         """``[parity][local rank]`` views of elements ``start:start + k`` of ``dtype`` of each slot:
         made once per region (a training loop repeats a few sizes), so a round makes no view."""
