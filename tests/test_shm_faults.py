@@ -372,10 +372,16 @@ def test_another_local_user_can_make_a_job_fail_but_never_read_or_change_its_dat
     import tempfile
 
     uid = _intruder_uid()
-    outcomes = []
+    outcomes, refused_count = [], 0
     base = Path(tempfile.mkdtemp(prefix="cpuddp-attack-", dir="/tmp"))
     try:
-        for attempt in range(2):
+        # Two attempts; with ``forge_who`` up to two more until a rank has refused the store's count.
+        # The forgery races rank 1's one true write of its record: rank 0 may read the true one in
+        # the moment before the next forgery lands, and then the job fails (or runs) for another
+        # reason -- as safe, but it does not show the count check, so another attempt is made.
+        for attempt in range(4):
+            if attempt >= 2 and (not forge_who or refused_count):
+                break
             run = base / f"run{attempt}"
             run.mkdir()
             os.chmod(base, 0o755)
@@ -391,10 +397,11 @@ def test_another_local_user_can_make_a_job_fail_but_never_read_or_change_its_dat
                     assert r.get("loop") == "ok" and r.get("calls") == 200, reports  # every result checked
                 else:
                     assert r.get("init"), reports
-            if forge_who:  # the launcher's LOCAL_WORLD_SIZE=2 outweighs a store that hides the peer
-                assert any("the launcher says 2 ranks run on this node" in r.get("init", "") for r in reports), reports
+            refused_count += any("the launcher says 2 ranks run on this node" in r.get("init", "") for r in reports)
             outcomes.append([r.get("init") for r in reports])
             print("attack", attempt, outcomes[-1], took, wrote)
+        if forge_who:  # the launcher's LOCAL_WORLD_SIZE=2 outweighs a store that hides the peer
+            assert refused_count, outcomes
     finally:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -170,6 +170,12 @@ def store_role(host: str, port: int, seconds: float, where: str, forge_who: bool
     elsewhere = json.dumps({"rank": 1, "host": "attacker-host|boot|ns", "cpus": [0], "local_rank": None,
                             "local_size": None, "pid": 4242, "pid_ns": "1"})
     writes, real, i = 0, None, 0
+
+    def forge() -> None:
+        if forge_who:
+            for gen in GENERATIONS:
+                store.set(f"{PREFIX}shm/{gen}/who/1", elsewhere)
+
     while time.monotonic() < deadline:
         try:
             for gen in GENERATIONS:
@@ -183,10 +189,10 @@ def store_role(host: str, port: int, seconds: float, where: str, forge_who: bool
                 token = real.split("\t")[2] if real else "1"
                 value = f"sock\t{fake['sock']}\t{token}\t{1 << 20}" if i % 2 else f"{fake['path']}\t{token}\t{1 << 20}"
                 store.set(key, value)
-                if forge_who:
-                    store.set(f"{PREFIX}shm/{gen}/who/1", elsewhere)
+                forge()
             for key in _gloo_keys():
                 store.set(key, relay)
+                forge()  # often: rank 1 writes its true record once, and rank 0 may read it before the next forgery
             writes += 1
             i += 1
         except Exception:  # noqa: BLE001 -- the job ended and took its store with it
