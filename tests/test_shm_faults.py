@@ -395,6 +395,7 @@ def test_another_local_user_can_make_a_job_fail_but_never_read_or_change_its_dat
                 assert "WRONG RESULT" not in json.dumps(r), reports
                 if r.get("init") == "ok":
                     assert r.get("loop") == "ok" and r.get("calls") == 200, reports  # every result checked
+                    assert r.get("shm_calls", 0) >= 200, f"a forged store moved the node's calls onto gloo: {reports}"
                 else:
                     assert r.get("init"), reports
             refused_count += any("the launcher says 2 ranks run on this node" in r.get("init", "") for r in reports)
