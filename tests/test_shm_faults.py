@@ -365,10 +365,12 @@ def _attack_once(run: Path, uid: int, forge_who: bool) -> tuple:
 
 @pytest.mark.parametrize("forge_who", [False, True], ids=["offers-and-gloo-keys", "and-host-lines"])
 def test_another_local_user_can_make_a_job_fail_but_never_read_or_change_its_data(forge_who):
-    """The issue-28 attack and more: the other user rewrites the store's offers, every gloo address
-    key a group of the job could use (pointing at a relay it runs), and -- ``forge_who`` -- rank 1's
-    host record, so the ranks would think they share no node and talk over gloo.  No tensor may
-    reach the relay, no result may be wrong, the segment may not leak; a job may fail, naming why."""
+    """The issue-28 attack and more: the other user rewrites the store's offers, gloo-like address
+    keys (pointing at a relay it runs), and -- ``forge_who`` -- rank 1's host record, so the ranks
+    would think they share no node and talk over gloo.  No tensor may reach the relay, no result
+    may be wrong, a rank that formed its group must have run its calls through shared memory (the
+    relay's keys are not gloo's own, so it alone would not see a move onto gloo), the segment may
+    not leak; a job may fail, naming why."""
     import tempfile
 
     uid = _intruder_uid()

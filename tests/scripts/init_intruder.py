@@ -6,8 +6,9 @@ authentication, so nothing more is needed), as the issue-35 attacker did against
 ``init_distributed()`` under ``torchrun``.  MODE:
 
 * ``downgrade``: as soon as a rank publishes its backend choice, rewrite every rank's to ``gloo``
-  (a rank that believed it would move the job onto gloo's sockets), and point every gloo address
-  key a group of the job could use at a relay of its own, which counts what reaches it;
+  (a rank that believed it would move the job onto gloo's sockets), and point gloo-like address
+  keys at a relay of its own, which counts what reaches it (see ``gloo_keys``: not the names gloo
+  reads; the test's detector is each rank's backend);
 * ``cpus``: rewrite every rank's host record so the ranks seem to share one CPU (``auto`` would
   then take gloo: more ranks than CPUs), the record otherwise as the rank wrote it.
 
@@ -63,7 +64,9 @@ class Store:
 
 
 def gloo_keys() -> list:
-    """Where a gloo group formed on the job's store would look for its peers' addresses."""
+    """Names near those where a gloo group formed on the job's store looks for its peers'
+    addresses.  Not gloo's own (it reads ``.../cpu//0/{rank}``, a binary address), so the relay
+    counts nothing whatever the job does; the test sees a move onto gloo by each rank's backend."""
     keys = []
     for base in (PREFIX, ""):
         for r in (0, 1):

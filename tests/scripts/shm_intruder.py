@@ -14,8 +14,8 @@
 and writes its addresses to ``DIR/fake.json`` and its results to ``DIR/user.json``.
 
 ``python shm_intruder.py store HOST PORT SECONDS DIR [forge-who|keep-who]`` -- writes into the job's rendezvous store
-as fast as it can: false segment offers, gloo address keys pointing at the relay (under every
-name a gloo group of the job would use), and with ``forge-who`` rank 1's host record claiming
+as fast as it can: false segment offers, gloo-like address keys pointing at the relay (see
+``_gloo_keys``: not the names gloo reads), and with ``forge-who`` rank 1's host record claiming
 another host (so the ranks would believe they share no node and talk over gloo); it records the job's real offer in
 ``DIR/real.txt``.  The store has no authentication, so which uid runs this role changes nothing
 (docs/security.md); it runs in the test's environment because it needs torch's TCPStore client.
@@ -144,8 +144,11 @@ def user_role(seconds: float, where: str) -> None:
 
 
 def _gloo_keys() -> list:
-    """Where a gloo group of the job would look for its peers' addresses (the world group's own,
-    a gloo group inside a shm group of any generation, a new_group's)."""
+    """Names near those where a gloo group of the job looks for its peers' addresses (the world
+    group's, a gloo group inside a shm group of any generation, a new_group's).  Not gloo's own:
+    gloo reads ``.../gloo/0/{rank}`` (context index first) and a binary address, so a job that
+    moved onto gloo would not reach the relay -- the test sees such a move by the ranks'
+    ``shm_calls`` instead."""
     keys = []
     for r in (0, 1):
         keys += [f"{PREFIX}{r}", f"{PREFIX}gloo/{r}", f"default_pg/1//cpu//{r}"]
