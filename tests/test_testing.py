@@ -23,13 +23,19 @@ SIMULATED_HANG = 120
 # --------------------------------------------------------------------------- helpers
 
 
+def _multiprocessing_helper(cmdline: list[str]) -> bool:
+    """multiprocessing's resource tracker or fork server (run_distributed starts ranks from it)."""
+    line = " ".join(cmdline)
+    return "resource_tracker" in line or "multiprocessing.forkserver" in line
+
+
 def _descendants() -> set[int]:
-    """Live descendants of this process, minus multiprocessing's resource tracker (one per
-    process that ever spawned, by design; it exits with us)."""
+    """Live descendants of this process, minus multiprocessing's resource tracker and fork server
+    (one each per process that ever started ranks, by design; they exit with us)."""
     out = set()
     for p in psutil.Process().children(recursive=True):
         try:
-            if p.status() == psutil.STATUS_ZOMBIE or "resource_tracker" in " ".join(p.cmdline()):
+            if p.status() == psutil.STATUS_ZOMBIE or _multiprocessing_helper(p.cmdline()):
                 continue
         except psutil.Error:
             continue

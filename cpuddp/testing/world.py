@@ -1,7 +1,7 @@
 """Test DDP code on N gloo ranks in CI: ``run_distributed``.
 
-``run_distributed(fn, world_size=2)`` spawns ``world_size`` fresh processes (spawn, never
-fork), forms a real process group among them with :func:`cpuddp.init_distributed`, runs
+``run_distributed(fn, world_size=2)`` starts ``world_size`` fresh processes (forked from
+Python's fork server, which has imported torch once; never from the test process), forms a real process group among them with :func:`cpuddp.init_distributed`, runs
 ``fn(*args, **kwargs)`` on each, and returns the return values in rank order::
 
     def _step():                          # module level: the ranks import it by name
@@ -28,8 +28,9 @@ Failure modes -- every one raises a single :class:`~cpuddp.errors.RankFailedErro
 No orphans: every rank is stopped and reaped before the call returns or raises, and so
 are the processes it started (a rank stops its own before exiting; the parent stops those
 of a rank it has to kill -- only a rank killed outright cannot), and a rank whose parent
-dies is killed by the kernel (``PR_SET_PDEATHSIG``, Linux).  (Spawning starts Python's one
-``multiprocessing`` resource tracker, which lives as long as the test process.)
+dies is killed by the kernel (``PR_SET_PDEATHSIG``, Linux; the fork server, the ranks' parent,
+ends with the test process).  (The first call starts Python's ``multiprocessing`` fork server
+and resource tracker, which live as long as the test process.)
 
 No shared ports: the parent hosts the rendezvous store on a socket it binds to
 ``127.0.0.1:0`` itself, as torchrun's agent does (``TORCHELASTIC_USE_AGENT_STORE``), and
@@ -168,7 +169,7 @@ def _start_and_collect(world: _procs.LocalWorld, payload: bytes, modules: dict[s
                        timeout: float, pin: bool, threads: int, deadline: float) -> list[Any]:
     """Spawn every rank of ``world``, collect the results, and stop the ranks (gracefully after success)."""
     __tracebackhide__ = True
-    ctx = multiprocessing.get_context("spawn")
+    ctx = _rank_context()
     conns: dict[Connection, int] = {}
     ok = False
     try:
@@ -197,6 +198,20 @@ def _start_and_collect(world: _procs.LocalWorld, payload: bytes, modules: dict[s
                         _ranks(stopped), _EXIT_GRACE)
         for c in conns:
             c.close()
+
+
+def _rank_context() -> multiprocessing.context.BaseContext:
+    """Where ranks start: Python's fork server, which imports torch once and forks each rank from
+    that clean, single-threaded process (never the test process itself, whose threads and state a
+    fork would copy).  A rank so started is a fresh interpreter that finds torch imported: it
+    skips the second or more that every rank spent importing torch, which made a test suite of
+    many small worlds CPU-bound.  The server lives as long as the test process (it is started by
+    the first call and ends when its parent does); each rank still gets a clean environment
+    (``rank_main`` sets it whole) and dies with its parent (``PR_SET_PDEATHSIG``; the server dies
+    with the test process)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch"])  # read when the server starts: the first call of this process
+    return ctx
 
 
 # --------------------------------------------------------------------------- the parent side
