@@ -350,6 +350,7 @@ def _attack_once(run: Path, uid: int, forge_who: bool) -> tuple:
     ranks.append(rank(1))
     try:
         outs = [p.communicate(timeout=120)[0] for p in ranks]
+        (run / "done").touch()  # the job has ended: the other user's role stops now, not at its deadline
         logs = [p.communicate(timeout=60)[0] for p in (user, writer)]
     finally:
         for p in (*ranks, user, writer):

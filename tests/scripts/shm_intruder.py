@@ -1,6 +1,7 @@
 """Another local user attacking a shm job (tests/test_shm_faults.py).  Two roles:
 
-``python3 shm_intruder.py user SECONDS DIR`` -- run AS THE OTHER USER, standard library only
+``python3 shm_intruder.py user SECONDS DIR`` -- run AS THE OTHER USER, until ``DIR/done`` appears
+(the test writes it once both ranks have ended) or SECONDS pass, standard library only
 (the job's virtual environment need not be readable by that user).  It
 
 * listens on a TCP port of its own, as the relay the issue's attacker ran between gloo's ranks:
@@ -72,6 +73,7 @@ def _relay(result: dict, deadline: float) -> int:
 
 def user_role(seconds: float, where: str) -> None:
     deadline = time.monotonic() + seconds
+    done = os.path.join(where, "done")
     result = {"uid": os.geteuid(), "served": 0, "stolen_fds": 0, "steal_errors": [], "relay_connections": 0,
               "relay_bytes": 0, "stalls": 0}
     relay_port = _relay(result, deadline)
@@ -119,7 +121,7 @@ def user_role(seconds: float, where: str) -> None:
 
     threading.Thread(target=serve, daemon=True).start()
     tried, held = False, []
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not os.path.exists(done):
         if not tried and os.path.exists(real_file):
             tried = True
             try:
