@@ -91,8 +91,8 @@ def _phases(numel: int, calls: int) -> dict:
     t = torch.ones(numel)
     for _ in range(200):
         dist.all_reduce(t)
-    acc.clear()
     dist.barrier()
+    acc.clear()  # after the barrier: its wait for the peers is no all_reduce's (it made "round" > "run")
     t0 = clock()
     for _ in range(calls):
         dist.all_reduce(t)

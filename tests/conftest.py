@@ -46,7 +46,10 @@ EXCLUSIVE = (
     "tests/test_doctor.py::test_doctor_auto_is_inits_rule_with_and_without_torch",  # < 1 s
     "tests/test_run_plan.py::test_dry_run_is_fast_and_imports_no_torch",  # < 3 s
     "tests/test_loop.py::test_a_failed_save_on_rank0_raises_on_every_rank_at_once",  # < 10 s of a 30 s timeout
-    "tests/test_benchmark_call_cost.py",  # medians of nested timings compared (CI once saw 2254.7 <= 2122.2 fail)
+    "tests/test_benchmark_call_cost.py",  # a benchmark's stages compared (beside a second worker they swung widely)
+    # gloo's worker thread at exit ("terminate called without an active exception", SIGABRT on
+    # rank 1 once in 2 local runs of .ci/run with a second worker beside it; never before alone)
+    "tests/test_init_layout.py",
 )
 
 
