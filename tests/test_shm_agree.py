@@ -221,6 +221,7 @@ def _refusal_while_sending_big():
             out["big_send"] = "ok"
         except Exception as exc:  # noqa: BLE001
             out["big_send"] = str(exc)
+        dist.barrier()  # on the world group: stay until rank 0's next send was refused (not "closed")
         return out
     dist.send(torch.zeros(4, dtype=torch.float64), dst=1, group=group, tag=2)
     time.sleep(0.5)  # rank 1 refused it meanwhile
@@ -236,6 +237,7 @@ def _refusal_while_sending_big():
         out["next"] = "ok"
     except Exception as exc:  # noqa: BLE001
         out["next"] = str(exc)
+    dist.barrier()  # rank 1 may leave now
     return out
 
 
