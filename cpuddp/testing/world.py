@@ -209,6 +209,8 @@ def _rank_context() -> multiprocessing.context.BaseContext:
     the first call and ends when its parent does); each rank still gets a clean environment
     (``rank_main`` sets it whole) and dies with its parent (``PR_SET_PDEATHSIG``; the server dies
     with the test process)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():  # Windows: a spawn each, as before
+        return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch"])  # read when the server starts: the first call of this process
     return ctx
