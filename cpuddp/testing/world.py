@@ -1,7 +1,8 @@
 """Test DDP code on N gloo ranks in CI: ``run_distributed``.
 
 ``run_distributed(fn, world_size=2)`` starts ``world_size`` fresh processes (forked from
-Python's fork server, which has imported torch once; never from the test process), forms a real process group among them with :func:`cpuddp.init_distributed`, runs
+Python's fork server, which has imported torch once; never from the test process), forms a
+real process group among them with :func:`cpuddp.init_distributed`, runs
 ``fn(*args, **kwargs)`` on each, and returns the return values in rank order::
 
     def _step():                          # module level: the ranks import it by name
