@@ -2,6 +2,10 @@
 # The one many-core run for issue 36: how the shm backend scales on a node of 16 cores (not run by CI).
 # Run from the repository root on a lent machine (python3 with torch 2.11, nothing installed):
 #     bash benchmarks/device_scale.sh         (results under $OUT; about 8 minutes wall in total)
+# OUT defaults to a fresh private directory (mktemp -d, mode 0700), named at the start and the end;
+# OUT=dir picks another: it must be a real directory (not a symlink) of yours, or one this script
+# can create, that nobody else can write -- in a sticky one such as /tmp the results go to a fresh
+# private directory inside it (the shim for `packaging` below is put on PYTHONPATH from there).
 # 1. benchmarks/scale.py: allreduce, reduce_scatter, all_gather, broadcast, barrier at N = 2,4,8,16,
 #    shm vs gloo in the same ranks, 4K..16M x4, each N ranks x (16/N) threads (default pinning),
 #    copy ceiling with all N ranks copying at once   (budget 330 s)
@@ -11,12 +15,28 @@
 #    4 KiB call costs at 8 and 16 ranks (benchmarks/call_cost.py)  (budget 2 x 40 s)
 # 4. DDP samples/s, gloo vs shm, at 2 and 8 ranks (benchmarks/shm_ddp.py, short)  (budget 60 s)
 set -u
-OUT=${OUT:-/tmp/device_scale}
+if [ -z "${OUT:-}" ]; then
+  OUT=$(mktemp -d -t cpuddp-device-scale.XXXXXX) || { echo "mktemp -d failed" >&2; exit 1; }
+else
+  [ -L "$OUT" ] && { echo "OUT=$OUT is a symlink: refused" >&2; exit 1; }
+  [ -e "$OUT" ] || mkdir -p -m 700 -- "$OUT" || exit 1
+  if [ -L "$OUT" ] || [ ! -d "$OUT" ] || [ ! -O "$OUT" ]; then
+    echo "OUT=$OUT is not a directory owned by $(id -un): refused" >&2; exit 1
+  fi
+  mode=8#$(stat -c %a -- "$OUT") || exit 1
+  if (( mode & 8#022 )); then  # others can write there: only a sticky one (like /tmp) is usable,
+    (( mode & 8#1000 )) || { echo "OUT=$OUT is writable by other users (chmod go-w, or leave OUT unset): refused" >&2; exit 1; }
+    OUT=$(mktemp -d "$OUT/cpuddp-device-scale.XXXXXX") || exit 1  # and then a private directory in it
+  fi
+  OUT=$(cd -- "$OUT" && pwd -P) || exit 1  # absolute: it goes on PYTHONPATH
+fi
+echo "results in $OUT"
 mkdir -p "$OUT/scale" "$OUT/bimodal"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=python3
 # cpuddp needs `packaging` (psutil and py-cpuinfo are optional); a bare torch install may lack it,
 # and torch ships its own copy: hand that on under the usual name (nothing is installed)
+# (the shim is in $OUT, private to this user: never a shared directory on PYTHONPATH)
 if ! $PY -c "import packaging.version" 2>/dev/null; then
   mkdir -p "$OUT/shim/packaging"
   echo "from torch._vendor.packaging import *" > "$OUT/shim/packaging/__init__.py"

@@ -1,7 +1,7 @@
 """DataLoader workers under pinning: ``cpuddp.shard(..., num_workers=W, worker_threads=...)``.
 
-    flock /tmp/cpuddp-heavy.lock python benchmarks/loader_workers.py            # the measurement
-    python benchmarks/loader_workers.py --quick                                   # does it work?
+    flock "$(python benchmarks/_heavy_lock.py)" python benchmarks/loader_workers.py  # the measurement
+    python benchmarks/loader_workers.py --quick                                      # does it work?
 
 Each rank (``torchrun --standalone``, pinned by ``cpuddp.init_distributed()``) trains a small
 MLP with DDP on features its DataLoader computes per sample with numpy (``--work`` float32

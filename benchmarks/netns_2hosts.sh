@@ -8,7 +8,7 @@
 # NET shapes the veth link on both ends with tc (rate: tbf; one-way delay: netem, where the
 # kernel has it -- this project's VM kernel has no netem, and the script says so):
 #   NET=10g (10 Gbit/s, 25 us)  NET=25g (25 Gbit/s, 15 us)  NET=1g (1 Gbit/s, 50 us)  NET=none
-#   sudo NET=10g flock /tmp/cpuddp-heavy.lock bash benchmarks/netns_2hosts.sh -b 16M -e 16M --iters 10
+#   sudo NET=10g flock "$(python benchmarks/_heavy_lock.py)" bash benchmarks/netns_2hosts.sh -b 16M -e 16M --iters 10
 # DDP samples/s over the same shaped links: benchmarks/netns_ddp.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -14,14 +14,14 @@ of benchmarks/shm_ddp.py (1024-2048-2048-2048-10, fp32, SGD momentum, batch 32 p
 ``--skip`` leaves cases out (``net/layout/backend/hook`` patterns).  Links (:data:`NETS`): ``tc`` on both veth ends -- ``tbf`` for the rate and ``netem`` for the
 one-way delay when the kernel has netem (this script says when it does not: the delay is then
 only in the scaling model, benchmarks/netns_model.py).  Cases run interleaved (the case order
-reversed on every other repeat); the heavy lock (``/tmp/cpuddp-heavy.lock``) is held for one
-round of cases at a time.  The summary is the median.  Output: ``benchmarks/results/netns_ddp.json`` and a Markdown table.
+reversed on every other repeat); the heavy lock (benchmarks/_heavy_lock.py: a file in a
+directory of the invoking user's, ``SUDO_UID``'s under sudo) is held for one round of cases at a
+time.  The summary is the median.  Output: ``benchmarks/results/netns_ddp.json`` and a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
-import fcntl
 import fnmatch
 import itertools
 import json
@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _heavy_lock import HeavyLock, lock_path  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
 NS = ("cpuddpdd-a", "cpuddpdd-b")
@@ -46,7 +49,6 @@ ADDRS = ("10.79.0.1", "10.79.0.2")
 #: name -> (rate, one-way delay in microseconds); None: the bare veth.
 NETS: dict[str, Optional[tuple[str, int]]] = {
     "none": None, "10g": ("10gbit", 25), "25g": ("25gbit", 15), "1g": ("1gbit", 50)}
-LOCK = "/tmp/cpuddp-heavy.lock"
 
 
 # --------------------------------------------------------------------------- rank side
@@ -138,21 +140,6 @@ def shape(net: str) -> str:
     return ", ".join(applied) or "unshaped veth"
 
 
-class HeavyLock:
-    def __init__(self, path: Optional[str]) -> None:
-        self.path, self.fd = path, None
-
-    def __enter__(self) -> "HeavyLock":
-        if self.path:
-            self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o666)
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-
-
 def run_case(case: tuple[str, str, str], opts: argparse.Namespace, port: int) -> float:
     layout, backend, hook = case
     hosts, per = (int(x) for x in layout.split("x"))
@@ -235,7 +222,7 @@ def _wanted(net: str, case: tuple[str, str, str], opts: argparse.Namespace) -> b
 def measure(opts: argparse.Namespace) -> dict[str, Any]:
     """Per link: the TCP ceiling, then ``--repeats`` rounds of every case (order reversed every
     other round) and one allreduce run; the heavy lock is held for one round at a time."""
-    lock = HeavyLock(None if opts.no_lock else LOCK)
+    lock = HeavyLock(None if opts.no_lock else lock_path())
     out: dict[str, Any] = {"nets": {}}
     port = 29600
     for net in opts.nets.split(","):
@@ -305,7 +292,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--ar-size", default="16M", help="allreduce size per repeat ('' to skip)")
     ap.add_argument("--ar-iters", type=int, default=10)
     ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--no-lock", action="store_true", help="do not take /tmp/cpuddp-heavy.lock per run")
+    ap.add_argument("--no-lock", action="store_true", help="do not take the heavy lock (benchmarks/_heavy_lock.py) per round")
     ap.add_argument("--ceiling", action="store_true", help="only the TCP ceiling of each link")
     ap.add_argument("--out", default=str(RESULTS / "netns_ddp.json"))
     ap.add_argument("--quick", action="store_true")

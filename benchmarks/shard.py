@@ -1,8 +1,8 @@
 """Sharded data parallel on CPU: DDP vs torch's ZeRO and FSDP2 vs ``prepare(shard=...)``, same run.
 
-    flock /tmp/cpuddp-heavy.lock python benchmarks/shard.py                 # the table of docs/performance.md
-    flock /tmp/cpuddp-heavy.lock python benchmarks/shard.py --memory        # the peak-RSS case (>1 GiB of state)
-    python benchmarks/shard.py --quick                                      # does the script work?
+    flock "$(python benchmarks/_heavy_lock.py)" python benchmarks/shard.py           # the table of docs/performance.md
+    flock "$(python benchmarks/_heavy_lock.py)" python benchmarks/shard.py --memory  # the peak-RSS case (>1 GiB of state)
+    python benchmarks/shard.py --quick                                               # does the script work?
 
 Cases (each ``--nproc`` local ranks x 1 thread, default pinning, AdamW, the same data):
 

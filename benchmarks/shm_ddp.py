@@ -1,8 +1,8 @@
 """DDP training samples/s on the shared-memory backend vs gloo, same ranks count, interleaved runs.
 
-    flock /tmp/cpuddp-heavy.lock python benchmarks/shm_ddp.py            # 2 ranks, 5 repeats
-    python benchmarks/shm_ddp.py --backends gloo,shm,shm-async,shm-sync   # CPUDDP_SHM_ASYNC=1 / =0
-    python benchmarks/shm_ddp.py --quick                                  # does the script work?
+    flock "$(python benchmarks/_heavy_lock.py)" python benchmarks/shm_ddp.py  # 2 ranks, 5 repeats
+    python benchmarks/shm_ddp.py --backends gloo,shm,shm-async,shm-sync       # CPUDDP_SHM_ASYNC=1 / =0
+    python benchmarks/shm_ddp.py --quick                                      # does the script work?
 
 Each run starts ``--nproc`` local ranks (``cpuddp.init_distributed(backend=...)``, default
 pinning) that train the same 11 M-parameter MLP (1024-2048-2048-2048-10, fp32, SGD with
