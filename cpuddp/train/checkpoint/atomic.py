@@ -13,8 +13,10 @@ process holds locked.  Every writer holds an exclusive ``flock`` on its temporar
 creation to rename, and the kernel drops the lock when its process dies, so a save in flight
 (this job's or another's, in another PID namespace too) is never touched.
 
-Before anything is written, the directory is checked (:func:`cpuddp.train.checkpoint.paths.check_directory`:
-refused when another user could change it) and created ``0700`` when missing.  A full disk
+Before anything is written, the directory is checked whole
+(:func:`cpuddp.train.checkpoint.paths.checked_entry`: refused when another user could change it or
+redirect it with a symbolic link) and created ``0700`` when missing; the temporary file, the rename
+and the fsync then go through its real path (every link resolved), the one checked.  A full disk
 (``ENOSPC``, ``EDQUOT``) -- seen before writing when the file system reports less room than
 the checkpoint needs, or while writing -- is a :class:`~cpuddp.errors.CheckpointError` saying
 "no space left" with the path and the size (torch's own message, ``unexpected pos 832 vs
@@ -32,7 +34,7 @@ import stat
 import tempfile
 from typing import Any, BinaryIO, Callable, Optional
 
-from .paths import check_directory, check_free_space, is_space_error, make_private_dirs, space_error
+from .paths import check_free_space, checked_entry, is_space_error, space_error
 
 __all__ = ["write_atomically", "remove_leftovers", "is_temp_name", "fsync_directory", "TEMP_PREFIX", "TEMP_SUFFIX"]
 
@@ -113,12 +115,11 @@ def write_atomically(path: str, write: Callable[[BinaryIO], None], *, needed: Op
     is left as it was.  ``needed``: the bytes the file will take, when known (for the
     free-space check and the error).  ``check_permissions=False`` warns about a directory
     another user can change instead of refusing it."""
-    directory = os.path.dirname(os.path.abspath(path))
-    check_directory(directory, check_permissions=check_permissions, stacklevel=4)
-    make_private_dirs(directory)
+    target = checked_entry(path, check_permissions=check_permissions, stacklevel=4, make=True)
+    directory = os.path.dirname(target)
     check_free_space(path, needed)
     remove_leftovers(directory)
-    fd, tmp = _open_locked_temp(directory, os.path.basename(path))
+    fd, tmp = _open_locked_temp(directory, os.path.basename(target))
     renamed = False
     counter: Optional[_Counting] = None
     try:
@@ -127,7 +128,7 @@ def write_atomically(path: str, write: Callable[[BinaryIO], None], *, needed: Op
             write(counter)  # type: ignore[arg-type]
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        os.replace(tmp, target)
         renamed = True
         fsync_directory(directory)
     except Exception as exc:

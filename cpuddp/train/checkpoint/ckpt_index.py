@@ -9,9 +9,11 @@ other entry with a checkpoint's name -- a file another user planted in a shared 
 as ``/tmp``, a symlink, a copy put there by hand -- is skipped and logged: it never counts for
 ``keep=``, it is never removed, and ``load_checkpoint(directory)`` never resumes it (a copy
 loads by its own path).  The record is read without following a symlink and must be this
-user's, writable by nobody else.  A directory without a record (written by cpuddp before it
-kept one) is read by ownership alone, a file with another hard link skipped; its first save
-there adopts the checkpoints that pass.
+user's, with one name (no hard link), writable by nobody else.  A directory without a record
+(written by cpuddp before it kept one) is read by ownership alone, a file with another hard link
+skipped; its first save there adopts the checkpoints that pass.  The directory given here is the
+real path :func:`cpuddp.train.checkpoint.paths.check_directory` returned (no symbolic link left
+on it), so ``keep=`` and the moves never reach through a link.
 
 **The line.**  The checkpoints of a directory are one line of training, their steps rising.
 A save of step ``T`` moves every one of ours with a step above ``T`` -- saved by a run that

@@ -16,7 +16,9 @@ kernel drops it when the process dies, however it dies (and its forked children,
 DataLoader workers, which share the description), NFS carries it between hosts, and -- unlike a
 plain POSIX lock -- the process closing another descriptor of the file (a backup copying the
 directory) does not drop it.  The file is opened without following a symlink and must be a
-regular file of this user.
+regular file of this user with one name: the holder writes its host and pid into it, so a hard link
+another user made to a file of yours (where ``fs.protected_hardlinks=0``), or a symbolic link, in its
+place is a :class:`~cpuddp.errors.CheckpointError` naming it, and the file is left as it was.
 :func:`release_directory` lets a long-lived process (a notebook) hand the directory on.
 """
 
@@ -84,25 +86,59 @@ def _holder(fd: int) -> str:
         return "a process that has not yet said who it is"
 
 
+def _lock_error(path: str, why: str, fix: str) -> CheckpointError:
+    return CheckpointError(f"{path!r}, the checkpoint directory's lock, {why}", path=path, fix=fix)
+
+
+def _not_yours(path: str, directory: str, st: os.stat_result) -> CheckpointError:
+    return _lock_error(path, f"is not a file of yours (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}): "
+                             f"another user can create files in {directory!r}",
+                       f"save under a directory only you can write (or remove {path!r} if it is left from a run "
+                       "of yours)")
+
+
+def _planted(path: str, directory: str, load: bool) -> Optional[CheckpointError]:
+    """Why the lock could not be opened, when another user put something at its name: a symbolic
+    link (in a world-writable sticky directory such as ``/tmp`` the kernel refuses another user's
+    link with EACCES, not ELOOP), or -- for a save -- a file of theirs.  None otherwise."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        return _lock_error(path, f"is a symbolic link (uid {st.st_uid}, to {os.readlink(path)!r}): someone put it "
+                                 f"in {directory!r} so that cpuddp would write where it points",
+                           f"remove {path!r}, and save under a directory only you can write")
+    return _not_yours(path, directory, st) if st.st_uid != os.geteuid() and not load else None
+
+
+def _check_lock(fd: int, path: str, directory: str) -> None:
+    """The lock must be a regular file of this user's with one name (its holder writes into it)."""
+    st = os.fstat(fd)
+    if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and st.st_nlink == 1:
+        return
+    os.close(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        raise _not_yours(path, directory, st)
+    raise _lock_error(path, f"has {st.st_nlink} hard links: another name for a file of yours, put in {directory!r} "
+                            "so that cpuddp would write over it (it is left as it was)",
+                      f"remove {path!r} (that name only: the file keeps its other names and contents), and save "
+                      "under a directory only you can write")
+
+
 def _open_lock(directory: str, load: bool) -> Optional[int]:
     path = os.path.join(directory, LOCK_FILE)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     except OSError as exc:
+        planted = _planted(path, directory, load) if exc.errno in (errno.ELOOP, errno.EACCES, errno.EPERM) else None
+        if planted is not None:
+            raise planted from None
         if load and exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             _log.debug("cannot create %s (%s): a job that cannot write here writes no checkpoint here", path, exc)
             return None
-        if exc.errno == errno.ELOOP:
-            raise CheckpointError(f"{path!r} is a symbolic link: someone else put it in the checkpoint directory",
-                                  path=path, fix=f"remove {path!r}, and save under a directory only you can write")
         raise
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-        os.close(fd)
-        raise CheckpointError(
-            f"{path!r}, the checkpoint directory's lock, is not a file of yours (uid {st.st_uid}, mode "
-            f"{stat.S_IMODE(st.st_mode):04o}): another user can create files in {directory!r}", path=path,
-            fix=f"save under a directory only you can write (or remove {path!r} if it is left from a run of yours)")
+    _check_lock(fd, path, directory)
     return fd
 
 

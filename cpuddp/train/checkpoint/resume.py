@@ -75,7 +75,7 @@ from .atomic import write_atomically
 from .ckpt_dirs import remove_dead_dirs
 from .ckpt_index import checkpoint_name, checkpoints, note_new, prune, supersede
 from .ckpt_lock import hold_directory, while_free
-from .paths import check_directory, make_private_dirs, open_own_file, state_nbytes
+from .paths import check_directory, checked_entry, open_own_file, private_directory, state_nbytes
 from .resume_io import apply_state, gather_state, load_sharded, save_sharded
 
 __all__ = ["save_checkpoint", "load_checkpoint", "Resumed", "list_checkpoints", "FORMAT"]
@@ -174,25 +174,30 @@ def _check_loadable(parts: dict[str, Any]) -> None:
 
 
 def list_checkpoints(directory: Union[str, os.PathLike], *, check_permissions: bool = True) -> list[str]:
-    """The checkpoints of this run's line in ``directory``, oldest first (paths; complete ones
-    that cpuddp wrote, owned by you: :mod:`cpuddp.train.checkpoint.ckpt_index`)."""
-    return [c.path for c in checkpoints(os.fspath(directory), check_permissions=check_permissions)]
+    """The checkpoints of this run's line in ``directory``, oldest first (paths under ``directory``
+    as given; complete ones that cpuddp wrote, owned by you: :mod:`cpuddp.train.checkpoint.ckpt_index`),
+    listed in the checked directory (:func:`cpuddp.train.checkpoint.paths.check_directory`)."""
+    path = os.fspath(directory)
+    real = check_directory(path, check_permissions=check_permissions, stacklevel=3)
+    found = checkpoints(real, check_permissions=check_permissions)
+    return [os.path.join(path, os.path.basename(c.path)) for c in found]
 
 
 def _is_dcp_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
 
 
-def _take_directory(directory: str, check_permissions: bool, step: int, name: str) -> None:
+def _take_directory(directory: str, check_permissions: bool, step: int, name: str) -> str:
     """Rank 0, before a save: the directory safe and made, held by this job, a killed save's
     leftovers cleaned (a replaced checkpoint restored), the abandoned line moved aside, the
-    new name recorded."""
-    check_directory(directory, check_permissions=check_permissions, stacklevel=7)
-    make_private_dirs(directory)
-    hold_directory(directory)
-    remove_dead_dirs(directory)
-    supersede(directory, step, check_permissions)
-    note_new(directory, name, check_permissions)
+    new name recorded.  Returns its real path (every link resolved), checked whole: the save,
+    the record and ``keep=`` work through it, never through a link another user could change."""
+    real = private_directory(directory, check_permissions=check_permissions, stacklevel=7)
+    hold_directory(real)
+    remove_dead_dirs(real)
+    supersede(real, step, check_permissions)
+    note_new(real, name, check_permissions)
+    return real
 
 
 # --------------------------------------------------------------------------- saving
@@ -251,20 +256,21 @@ def save_checkpoint(
     trainer = _trainer_state(step, epoch, extra, scheduler, scaler, loader, blobs, world)
     _check_loadable({k: trainer[k] for k in ("extra", "scheduler", "scaler")})
     sharded = _is_sharded(core)
-    target = os.path.join(path, checkpoint_name(step, sharded=sharded))
+    name = checkpoint_name(step, sharded=sharded)
+    target = os.path.join(path, name)
     if sharded:
         save_sharded(target, {"model": model_sd, "optimizer": optim_sd}, trainer, group, check_permissions,
-                     lambda: _take_directory(path, check_permissions, step, os.path.basename(target)),
-                     lambda: prune(path, keep, target, check_permissions))
+                     lambda: _take_directory(path, check_permissions, step, name),
+                     lambda real: prune(real, keep, os.path.join(real, name), check_permissions))
         _log.info("checkpoint saved: %s (sharded, %d rank(s))", target, world)
         return target
 
     def write() -> str:
-        _take_directory(path, check_permissions, step, os.path.basename(target))
+        real = _take_directory(path, check_permissions, step, name)
         state = dict(trainer, model=model_sd, optimizer=optim_sd)
-        write_atomically(target, lambda f: torch.save(state, f), needed=state_nbytes(state),
+        write_atomically(os.path.join(real, name), lambda f: torch.save(state, f), needed=state_nbytes(state),
                          check_permissions=check_permissions)
-        prune(path, keep, target, check_permissions)
+        prune(real, keep, os.path.join(real, name), check_permissions)
         return target
 
     if world == 1:
@@ -281,11 +287,20 @@ def save_checkpoint(
 
 def _find(path: str, check_permissions: bool) -> Optional[list[str]]:
     """``[kind, checkpoint path]`` for ``path`` (a checkpoint, or a directory of them: the
-    newest of this run's line), or None when there is none yet.  Never through a symlink."""
+    newest of this run's line), or None when there is none yet.  Its directories are checked
+    whole and looked into by their real path (:func:`cpuddp.train.checkpoint.paths.check_directory`:
+    no link another user could have made); ``path`` itself is never a symlink.  The path
+    returned is under ``path`` as given (every rank reads a sharded one)."""
+    real = checked_entry(path, check_permissions=check_permissions, stacklevel=6)
     try:
-        st = os.lstat(path)
+        st = os.lstat(real)
     except FileNotFoundError:
         return None
+    if stat.S_ISLNK(st.st_mode) and os.path.isdir(real) and not _is_dcp_dir(real):
+        # a directory of checkpoints through a link: followed where the walk trusts it
+        # (``$HOME/ckpt -> /scratch/me/ckpt``), refused where another user could have made it
+        real = check_directory(path, check_permissions=check_permissions, stacklevel=6)
+        st = os.lstat(real)
     if stat.S_ISLNK(st.st_mode):
         raise CheckpointError(f"{path!r} is a symbolic link: a checkpoint is never loaded through one (whoever "
                               "can make the link chooses what is resumed)", path=path,
@@ -293,20 +308,20 @@ def _find(path: str, check_permissions: bool) -> Optional[list[str]]:
                                   "checking that it is yours")
     if stat.S_ISREG(st.st_mode):
         return ["file", path]
-    if _is_dcp_dir(path):
+    if _is_dcp_dir(real):
         return ["sharded", path]
     if not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"{path!r} is neither a checkpoint nor a directory ({stat.filemode(st.st_mode)})",
                               path=path, fix="pass the directory save_checkpoint() wrote, or one checkpoint in it")
-    check_directory(path, check_permissions=check_permissions, stacklevel=6)
-    busy = while_free(path, lambda: remove_dead_dirs(path))  # a killed replacement's checkpoint restored
+    check_directory(real, check_permissions=check_permissions, stacklevel=6)
+    busy = while_free(real, lambda: remove_dead_dirs(real))  # a killed replacement's checkpoint restored
     if busy:
         _log.warning("another job writes checkpoints in %r (%s holds its lock): reading its newest checkpoint; this "
                      "process cannot save there while that job runs", path, busy)
-    found = checkpoints(path, check_permissions=check_permissions, others=not check_permissions)
+    found = checkpoints(real, check_permissions=check_permissions, others=not check_permissions)
     if not found:
         return None
-    return ["sharded" if found[-1].sharded else "file", found[-1].path]
+    return ["sharded" if found[-1].sharded else "file", os.path.join(path, os.path.basename(found[-1].path))]
 
 
 def _tell_world(saved: int, world: int) -> None:

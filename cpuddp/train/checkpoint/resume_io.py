@@ -112,30 +112,34 @@ def _everyone_sees(tmp: str, token: str, group: Any) -> None:
 
 
 def save_sharded(target: str, tensors: Mapping[str, Any], trainer: dict[str, Any], group: Any,
-                 check_permissions: bool, prepare: Callable[[], Any], prune: Callable[[], Any]) -> None:
+                 check_permissions: bool, prepare: Callable[[], str], prune: Callable[[str], Any]) -> None:
     """Every rank writes its shards of ``tensors`` into a temporary directory through DCP;
     rank 0 adds ``trainer`` and renames the directory to ``target`` (:mod:`.ckpt_dirs`).
-    ``prepare`` (rank 0, first: the directory checked, made and held) and ``prune`` (rank 0,
-    last) are the door's."""
+    ``prepare`` (rank 0, first: the directory checked, made and held; it returns the directory's
+    real path) and ``prune`` (rank 0, last, given that path) are the door's.  Rank 0 makes, fills
+    and renames the temporary directory through the real path; the ranks write their shards
+    through the path as given (checked whole by ``prepare``: every rank, on any node, names it
+    alike), and each must find rank 0's token there."""
     import torch.distributed.checkpoint as dcp
 
     from ..common.objects import without_numpy
 
     without_numpy()  # DCP plans through torch's object collectives
     held: list[TempDir] = []
-    directory = os.path.dirname(target)
+    directory, name = os.path.split(target)
     fix = f"make {directory!r} writable on every rank's host (free space, permissions); every rank stopped"
 
     def begin() -> list[str]:
-        prepare()
-        held.append(make_temp_dir(directory, os.path.basename(target)))
-        return [held[0].path, held[0].token]
+        real = prepare()
+        held.append(make_temp_dir(real, name))
+        return [os.path.join(directory, os.path.basename(held[0].path)), held[0].token]
 
     def end() -> str:
+        real = os.path.dirname(held[0].path)
         write_atomically(os.path.join(held[0].path, TRAINER_FILE), lambda f: torch.save(trainer, f),
                          check_permissions=check_permissions)
-        finish(held[0], target)
-        prune()
+        finish(held[0], os.path.join(real, name))
+        prune(real)
         return target
 
     try:
@@ -151,7 +155,7 @@ def save_sharded(target: str, tensors: Mapping[str, Any], trainer: dict[str, Any
         _run(end, group, f"finishing checkpoint {target!r}", fix)
     finally:
         for t in held:
-            t.close(remove=t.path != target)
+            t.close(remove=os.path.basename(t.path) != name)  # finish() renamed it to the target
 
 
 def load_sharded(where: str, core: nn.Module, optimizer: Any, group: Any) -> dict[str, Any]:
