@@ -75,13 +75,13 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Option
 
 from cpuddp.backends import forming
 from cpuddp.backends.decide import decide_backend
-from cpuddp.launchers import hosts, proof
+from cpuddp.launchers import hosts, identity, proof
 from cpuddp.launchers.env import DistEnv, Provenance
 from cpuddp.launchers.exports import DEFAULT_TIMEOUT, Exports, Timeout
 from cpuddp.launchers.exports import configure_logging as _configure_logging
 from cpuddp.launchers.exports import timeout_from as _timeout
 from cpuddp.launchers.registry import detect
-from cpuddp.launchers.rendezvous import local_address, mpi_master_addr, open_store
+from cpuddp.launchers.rendezvous import job_key, local_address, mpi_master_addr, open_store
 from cpuddp.topology import here
 
 from . import ddp_check
@@ -348,7 +348,9 @@ def _gather_layout(env: DistEnv, store: Optional["Store"], step: str,
         store, f"{step}/host", mine, env.world_size, td,
         missing_fix=lambda shown: f"{_size_var(env)}={env.world_size} but rank(s) {shown} never reached the "
         f"rendezvous at {where}: start them (check the launcher's rank count and their logs), or fix the world size")
-    proof.prove_node(store, f"{step}/proof", mine, records, env.world_size, td, errors=f"{step}/backend")
+    job = proof.init_identity(store, env.world_size, job_key(env))
+    proof.prove_node(store, f"{step}/proof", mine, records, env.world_size, td, errors=f"{step}/backend", identity=job)
+    identity.remember_hosts(job.store, [r.host for r in records])  # every group of the job keeps to it
     lay = hosts.layout(records, env.rank)
     return hosts.apply_layout(env, lay, _LAYOUT_SOURCE), lay
 

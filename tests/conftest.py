@@ -39,6 +39,7 @@ EXCLUSIVE = (
     "tests/test_shm.py::test_nothing_is_created_in_dev_shm",
     "tests/test_node_proof.py",  # a failed member stops the leader in < 5 s; the second user
     "tests/test_init_attack.py",  # the second user racing the ranks' store writes
+    "tests/test_jobs_attack.py",  # the second user racing two jobs' store writes (4 ranks, 2 agents)
     "tests/test_failures.py",  # timeouts measured against their settings
     # a launcher's kill of the other ranks races the failing rank's last words (Open MPI's prterun
     # cut rank 1's error short once in 3 local runs of .ci/run with a second worker beside it)

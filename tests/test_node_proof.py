@@ -12,11 +12,13 @@ import os
 import subprocess
 import threading
 import time
+from typing import Optional
 
 import pytest
 
 from cpuddp.errors import RendezvousError
 from cpuddp.launchers.hosts import HostRecord
+from cpuddp.launchers.identity import JobIdentity
 from cpuddp.launchers.proof import check_roles, node_roles, prove_node
 
 TD = datetime.timedelta(seconds=20)
@@ -27,13 +29,14 @@ def _records(*hosts: str) -> list[HostRecord]:
     return [HostRecord(r, h, (r,), r, len(hosts)) for r, h in enumerate(hosts)]
 
 
-def _run(store, wrote: list[HostRecord], read: list[list[HostRecord]]) -> list:
-    """Each rank r (a thread) proves with ``wrote[r]`` as its own record and ``read[r]`` as the store's."""
+def _run(store, wrote: list[HostRecord], read: list[list[HostRecord]], jobs: Optional[list] = None) -> list:
+    """Each rank r (a thread) proves with ``wrote[r]`` as its own record and ``read[r]`` as the
+    store's (``jobs[r]``: the job identity it states, by default the store's)."""
     out: list = [None] * len(wrote)
 
     def rank(r: int) -> None:
         try:
-            prove_node(store, "p", wrote[r], read[r], len(wrote), TD)
+            prove_node(store, "p", wrote[r], read[r], len(wrote), TD, identity=jobs[r] if jobs else None)
             out[r] = "ok"
         except Exception as exc:  # noqa: BLE001
             out[r] = exc
@@ -65,6 +68,21 @@ def test_genuine_records_pass_on_every_rank():
 
     recs = _records(HOST, HOST, OTHER, HOST)
     assert _run(dist.HashStore(), recs, [recs] * 4) == ["ok"] * 4
+
+
+def test_a_rank_of_another_job_of_this_user_is_refused_whatever_the_store_says():
+    """The store rewritten so job B's rank 1 meets job A's leader (issue 43): the same uid, the
+    records the store gave both alike -- each side's own job identity tells them apart."""
+    import torch.distributed as dist
+
+    recs = _records(HOST, HOST)
+    a, b = JobIdentity("127.0.0.1:29500", "nojobid/w2", 2, "init"), JobIdentity("127.0.0.1:29501", "nojobid/w2", 2, "init")
+    out = _run(dist.HashStore(), recs, [recs, recs], jobs=[a, b])
+    assert all(isinstance(e, RendezvousError) for e in out), out
+    assert "is not a rank of this job (its rendezvous store is 127.0.0.1:29501" in str(out[0]), out[0]
+    assert "writes to its rendezvous store at 127.0.0.1:29500" in str(out[0])
+    assert "ended the private check" in str(out[1]) or "is not a rank of this job" in str(out[1]), out[1]
+    assert _run(dist.HashStore(), recs, [recs, recs], jobs=[a, a]) == ["ok", "ok"]  # one job: as before
 
 
 def test_a_record_the_store_changed_stops_every_rank_of_the_host_naming_it():

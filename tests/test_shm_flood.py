@@ -189,7 +189,7 @@ def test_a_backlog_that_stays_full_is_named_as_busy_not_as_another_network_names
     try:
         start = time.monotonic()
         with pytest.raises(BackendError) as err:
-            handover._connect(name, time.monotonic() + 1.5, lambda: "2000 connections from uid 999 (x)")
+            handover._connect(name, time.monotonic() + 1.5, lambda: "2000 connections from uid 999 (x)", "127.0.0.1:1")
         waited = time.monotonic() - start
     finally:
         for c in fillers:
@@ -220,7 +220,7 @@ def test_rank0_names_the_flood_in_its_error_when_the_peer_never_comes():
     (b"9" * 40 + b"\t1", {}),
 ])
 def test_the_published_flood_count_is_checked_before_a_peer_shows_it(raw, want):
-    from cpuddp.backends.shm.handover import busy_text, parse_busy
+    from cpuddp.backends.shm.offer import busy_text, parse_busy
 
     assert parse_busy(raw) == want
     if want:

@@ -168,29 +168,25 @@ def test_oversubscribed_every_op_and_dtype_bit_identical_across_ranks(n):
 
 
 def _avg_on_whole_gloo():
-    import json
+    import os
 
     import torch
     import torch.distributed as dist
 
-    import cpuddp.backends.shm.group as shm_group
+    import cpuddp.shm  # noqa: F401  (registers "shm")
+    from cpuddp.launchers import identity
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    real = shm_group.whoami
-
-    def on_a_node_of_its_own(r):  # every rank on a host of its own: the group runs gloo for everything
-        record = json.loads(real(r))
-        record["host"] = f"{record['host']}-node{r}"
-        return json.dumps(record)
-
-    import os
-
-    shm_group.whoami = on_a_node_of_its_own
+    # every rank on a host of its own, as init would have proven it: the group runs gloo for everything
+    endpoint = identity.store_endpoint(dist.distributed_c10d._get_default_store())
+    proven = identity.proven_hosts(endpoint, n)
+    identity.remember_hosts(endpoint, [f"node{r}" for r in range(n)])
     said, os.environ["LOCAL_WORLD_SIZE"] = os.environ.get("LOCAL_WORLD_SIZE"), "1"  # what a launcher would say
     try:
         pg = dist.new_group(list(range(n)), backend="shm")
     finally:
-        shm_group.whoami = real
+        if proven is not None:
+            identity.remember_hosts(endpoint, proven)
         if said is not None:
             os.environ["LOCAL_WORLD_SIZE"] = said
     out = {"reason": getattr(pg, "reason", None)}

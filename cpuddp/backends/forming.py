@@ -17,7 +17,8 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
 
-from cpuddp.errors import BackendError, RendezvousError, first_line
+from cpuddp.errors import BackendError, CpuddpError, RendezvousError, first_line
+from cpuddp.launchers.store_values import stall_cause
 
 from .shm.api import INTER_VAR, ShmOptions
 from .types import BackendChoice
@@ -72,13 +73,26 @@ def form_group(env: "DistEnv", plan: "BackendPlan", store: Any, td: datetime.tim
         dist.init_process_group(backend=backend, store=store, rank=env.rank, world_size=env.world_size, timeout=td,
                                 pg_options=options)
     except Exception as exc:
-        where = f"{env.master_addr}:{env.master_port}"
-        raise RendezvousError(
-            f"rank {env.rank}: forming the {backend} group of {env.world_size} failed: "
-            f"{type(exc).__name__}: {first_line(exc)}",
-            fix=f"every rank reached the rendezvous at {where}, but they could not connect to each other: "
-            "set GLOO_SOCKET_IFNAME to the interface the hosts share, and check firewalls between them",
-        ) from exc
+        raise _forming_error(env, backend, exc) from exc
+
+
+def _forming_error(env: "DistEnv", backend: str, exc: Exception) -> RendezvousError:
+    """Why the group did not form: the backend's own words and fix where it has them (the shm
+    group's), a wait at the store that ran out (naming the store), else the interface fix."""
+    import torch.distributed as dist
+
+    where = f"{env.master_addr}:{env.master_port}"
+    said = f"rank {env.rank}: forming the {backend} group of {env.world_size} failed"
+    if isinstance(exc, CpuddpError):
+        return RendezvousError(f"{said}: {type(exc).__name__}: {exc.msg}", fix=exc.fix)
+    text = first_line(exc)
+    if isinstance(exc, dist.DistStoreError) or "timeout" in text.lower():
+        return RendezvousError(f"{said}: {type(exc).__name__}: {text} (waiting for the other ranks at the "
+                               f"rendezvous store {where})", fix=stall_cause(where))
+    return RendezvousError(
+        f"{said}: {type(exc).__name__}: {text}",
+        fix=f"every rank reached the rendezvous at {where}, but they could not connect to each other: "
+        "set GLOO_SOCKET_IFNAME to the interface the hosts share, and check firewalls between them")
 
 
 def first_collective(env: "DistEnv", backend: str) -> None:

@@ -12,9 +12,13 @@ So before any of that is decided, :func:`prove_node` checks them where they can 
    or ``join <leader>``; every rank checks that the roles match the hosts it read.
 3. On a host with 2+ ranks, each member connects to its leader; both ends check the other's
    credentials (``SO_PEERCRED``: this user) before a byte is read, so a stranger's socket or
-   connection is refused.  Each member sends the record it wrote; the leader compares it with
-   the store's copy, then sends the node's records as it holds them (its own and the members',
-   each from its writer), and each member compares those with its own reads of the store.
+   connection is refused.  Each member sends the record it wrote and its job identity
+   (:class:`~cpuddp.launchers.identity.JobIdentity`, derived by itself: the store it connected
+   to, the launcher's job id, the world size); the leader refuses another job's rank and compares
+   the record with the store's copy, then sends its own identity and the node's records as it
+   holds them (its own and the members', each from its writer), and each member checks the
+   identity and compares the records with its own reads of the store.  So a store rewritten to
+   point one job of a user at another job's leader fails both, never joins them.
 
 Any difference is a :class:`~cpuddp.errors.RendezvousError` naming the rank, what the store
 said and what the rank itself wrote: another process writes to the job's store.  What this
@@ -42,6 +46,7 @@ from cpuddp.errors import RendezvousError
 
 from . import store_values
 from .hosts import _ERROR, HostRecord, _peer_error, exchange, parse_record
+from .identity import JobIdentity, launcher_job, mismatch, store_endpoint
 
 __all__ = ["prove_node", "node_roles", "check_roles", "connect_waiting"]
 
@@ -80,13 +85,21 @@ def check_roles(rank: int, local: Sequence[int], roles: Sequence[str]) -> None:
                         f"role {store_values.shown(role, 60)} (the ranks read different host records)")
 
 
+def init_identity(store: Any, world_size: int, job: Optional[str] = None) -> JobIdentity:
+    """This process's identity in the node's proof at init: the store it reached, its launcher's
+    job key (``job``; read from the environment when None), the world size."""
+    return JobIdentity(store_endpoint(store), job if job is not None else launcher_job(os.environ), world_size, "init")
+
+
 def prove_node(store: Any, name: str, mine: HostRecord, records: Sequence[HostRecord], world_size: int,
-               timeout: datetime.timedelta, errors: str = "") -> None:
+               timeout: datetime.timedelta, errors: str = "", identity: Optional[JobIdentity] = None) -> None:
     """Check ``records`` (read from the store) against what this host's ranks wrote; see the
     module docstring.  ``mine``: the record this rank wrote.  ``errors``: the exchange where a
     rank that fails publishes its error (the next one of init): the leader stops at once with a
-    member's error instead of waiting for it."""
+    member's error instead of waiting for it.  ``identity``: this rank's job identity
+    (:func:`init_identity` when None)."""
     rank = mine.rank
+    identity = identity or init_identity(store, world_size)
     if records[rank] != mine:
         raise _fail(rank, f"the store's host record of rank {rank} is not the one rank {rank} wrote "
                     f"(store: {store_values.shown(records[rank].to_json(), 120)})")
@@ -99,9 +112,9 @@ def prove_node(store: Any, name: str, mine: HostRecord, records: Sequence[HostRe
         roles = exchange(store, name, rank, world_size, role, timeout, what="proof")
         check_roles(rank, local, roles)
         if server is not None:
-            _lead(server, mine, records, local, deadline, lambda missing: _failed(store, errors, missing))
+            _lead(server, mine, records, local, deadline, lambda missing: _failed(store, errors, missing), identity)
         elif len(local) > 1:
-            _join(roles[local[0]].split(" ", 1)[1], mine, records, local, deadline)
+            _join(roles[local[0]].split(" ", 1)[1], mine, records, local, deadline, identity)
     finally:
         if server is not None:
             server.close()
@@ -149,7 +162,7 @@ def _recv_exactly(conn: socket.socket, n: int, deadline: float) -> bytes:
 
 
 def _lead(server: socket.socket, mine: HostRecord, records: Sequence[HostRecord], local: Sequence[int],
-          deadline: float, failed: Callable[[list[int]], Optional[str]]) -> None:
+          deadline: float, failed: Callable[[list[int]], Optional[str]], identity: JobIdentity) -> None:
     """Accept each local member (refusing every other user), check the record it wrote against
     the store's, then send every member the node's records as their writers sent them.
     ``failed(missing)``: the error a missing member published instead, if any."""
@@ -168,10 +181,10 @@ def _lead(server: socket.socket, mine: HostRecord, records: Sequence[HostRecord]
                     fix="see those ranks' logs; raise CPUDDP_TIMEOUT if they were merely slow")
             if select.select([server], [], [], min(left, 0.5))[0]:
                 for conn in _accept_all(server, rank, strangers):
-                    _member(conn, rank, records, local, members, deadline)
+                    _member(conn, rank, records, local, members, deadline, identity)
         table = [mine.to_json()] + [members[r][1] for r in local[1:]]
         for r in local[1:]:
-            _send(members[r][0], table)
+            _send(members[r][0], {"identity": identity.wire(), "table": table})
     finally:
         for conn, _ in members.values():
             conn.close()
@@ -213,16 +226,30 @@ def _failed(store: Any, name: str, ranks: Sequence[int]) -> Optional[str]:
     return None
 
 
+def _another_job(rank: int, who: str, why: str, identity: JobIdentity) -> RendezvousError:
+    return RendezvousError(f"rank {rank}: {who} is not a rank of this job ({why}): something other than this job's "
+                           f"ranks writes to its rendezvous store at {identity.store}, and pointed this host's ranks "
+                           "at another job of yours; refusing", fix=store_values.STORE_FIX)
+
+
 def _member(conn: socket.socket, rank: int, records: Sequence[HostRecord], local: Sequence[int],
-            members: dict, deadline: float) -> None:
-    """Read one member's record and check it against the store's copy (the leader's side)."""
+            members: dict, deadline: float, identity: JobIdentity) -> None:
+    """Read one member's identity and record, and check them: the same job, and the record the
+    store holds for it (the leader's side)."""
     try:
-        raw = _recv(conn, deadline)
+        said = _recv(conn, deadline)
     except OSError as exc:
         conn.close()
         raise RendezvousError(f"rank {rank}: a rank of this host connected to its private check of the host records "
                               f"and ended before it sent its record ({exc})",
                               fix="see the other ranks' logs; raise CPUDDP_TIMEOUT if they were merely slow") from None
+    said = said if isinstance(said, dict) else {}
+    why = mismatch(identity, JobIdentity.from_wire(said.get("identity")))
+    if why is not None:
+        pid = _peer(conn)[0]
+        conn.close()
+        raise _another_job(rank, f"the process (pid {pid}) that reached this host's private check", why, identity)
+    raw = said.get("record")
     try:
         got = parse_record("the private check", raw, int(json.loads(raw)["rank"]), len(records))
     except (ValueError, KeyError, TypeError, RendezvousError) as exc:
@@ -242,8 +269,9 @@ def _member(conn: socket.socket, rank: int, records: Sequence[HostRecord], local
 
 
 def _join(sock: str, mine: HostRecord, records: Sequence[HostRecord], local: Sequence[int],
-          deadline: float) -> None:
-    """Send the leader this rank's record; check the node's records the leader sends back."""
+          deadline: float, identity: JobIdentity) -> None:
+    """Send the leader this rank's identity and record; check the leader's identity and the node's
+    records it sends back."""
     rank, lead = mine.rank, local[0]
     with _connect(rank, lead, sock, deadline) as conn:
         pid, uid = _peer(conn)
@@ -251,13 +279,18 @@ def _join(sock: str, mine: HostRecord, records: Sequence[HostRecord], local: Seq
             raise _fail(rank, f"the socket the store names for rank {lead}'s private check belongs to pid {pid} "
                         f"of uid {uid}, another user")
         try:
-            _send(conn, mine.to_json())
-            table = _recv(conn, deadline)
+            _send(conn, {"identity": identity.wire(), "record": mine.to_json()})
+            said = _recv(conn, deadline)
         except (OSError, ValueError) as exc:
             raise RendezvousError(f"rank {rank}: rank {lead} ended the private check of the host records "
                                   f"({exc}); its log says why",
                                   fix=f"see rank {lead}'s log; every rank stops with it") from None
-    _compare(rank, table, records, local)
+    said = said if isinstance(said, dict) else {}
+    why = mismatch(identity, JobIdentity.from_wire(said.get("identity")))
+    if why is not None:
+        raise _another_job(rank, f"the process (pid {pid}) at the socket the store names for rank {lead}'s private "
+                           "check", why, identity)
+    _compare(rank, said.get("table"), records, local)
 
 
 def connect_waiting(address: bytes, deadline: float) -> socket.socket:

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from cpuddp.errors import RendezvousError
 
 __all__ = [
-    "MAX_VALUE", "MAX_HOST", "MAX_CPU", "MAX_PID", "STORE_FIX", "text_value", "shown",
+    "MAX_VALUE", "MAX_HOST", "MAX_CPU", "MAX_PID", "STORE_FIX", "stall_cause", "text_value", "shown",
     "bad_value", "int_field", "backend_name", "job_key_value", "json_object",
 ]
 
@@ -38,6 +38,15 @@ _BACKEND = re.compile(r"\A[a-z][a-z0-9_]{0,63}\Z")
 
 FIX = ("give the job a store only it uses (its own MASTER_PORT, reachable only from the job's hosts), and "
        "run the same cpuddp version on every rank; see docs/security.md")
+
+def stall_cause(where: str) -> str:
+    """What may keep ranks that reached the store at ``where`` waiting for the others: one text for
+    every stalled join (init's exchanges, a group forming)."""
+    return ("a rank died or hangs before it got there (see its log; raise CPUDDP_TIMEOUT if it is merely slow), or "
+            f"something other than this job's ranks writes to the rendezvous store at {where} (any local user can "
+            "reach it: docs/security.md): give the job a store only it uses (its own MASTER_PORT), or run it in a "
+            "network namespace of its own")
+
 
 def shown(value: Any, limit: int = 80) -> str:
     """``value`` for a message: its ``repr``, cut to about ``limit`` characters (a hostile value

@@ -32,8 +32,11 @@ Lifecycle (one state, :class:`~cpuddp.backends.shm.channel.Lifecycle`):
 (peers waiting for this rank stop at once); any use after that raises
 :class:`~cpuddp.errors.GroupShutDownError`; a forked child can neither use its parent's group
 nor leave it (:mod:`cpuddp.backends.shm.segment`).  Each group forms under a key prefix of its
-own in the store (``shm/<n>/``, n counting this rank's groups), so a group formed again in the
-same processes never reads a key the last one left.
+own in the store (``shm/<n>/``, n counting this process's formations of that group: a count no one
+else can move), so a group formed again in the same processes never reads a key the last one
+left.  Which node each member is on comes from the job's proven layout, and every local peer
+proves it is a rank of this job's group in the hand-over (:mod:`cpuddp.backends.shm.node`,
+:mod:`cpuddp.backends.shm.handover`).
 
 Options: :class:`~cpuddp.backends.shm.api.ShmOptions` as ``pg_options``; without them
 ``CPUDDP_SHM_INTER``, ``CPUDDP_SHM_ASYNC`` and ``CPUDDP_SHM_SLOT`` are read (and ``CPUDDP_SHM_NUMA``, a
@@ -54,6 +57,7 @@ import torch.distributed as dist
 
 from cpuddp.affinity.pin import thread_affinity
 from cpuddp.errors import BackendError, GroupShutDownError
+from cpuddp.launchers import identity
 
 from . import api
 from . import check as shm_check
@@ -65,7 +69,7 @@ from .cross import Hierarchy, SumThenDivide, cross_group
 from .handover import map_segment
 from .levels import setup_levels
 from .local import LocalEngine
-from .node import NodePlan, check_local_size, parse_who, plan_node, whoami
+from .node import GroupName, NodePlan, check_local_size, group_name, parse_who, pin_hosts, plan_node, whoami
 from .ops import check_tensors
 from .p2p import PeerLinks
 from .stream import GatheredWork, Stream, TimedWork, async_setting
@@ -115,7 +119,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
     :mod:`cpuddp.backends.shm.calls`)."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta,
-                 options: Optional[api.ShmOptions] = None) -> None:
+                 options: Optional[api.ShmOptions] = None, name: Optional[GroupName] = None) -> None:
         super().__init__(rank, size)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, _name_holder(rank, size))
         self._options = options or api.ShmOptions.from_environ(size)
@@ -127,7 +131,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._links: Optional[PeerLinks] = None
         self._world: Any = None  # gloo over every rank: across nodes only (all_to_all, send/recv)
         self._plan: Optional[NodePlan] = None
-        self.reason = self._setup(store, rank, size, timeout)
+        self.reason = self._setup(store, rank, size, timeout, name or group_name(store, "", (), size, None))
         self._life.live()
         threaded = self._eng is not None and async_setting(self._options.async_comm)
         self._stream = Stream(rank, threaded, self._on_error, self._thread_setup)
@@ -137,11 +141,14 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
 
     # ------------------------------------------------------------------ set-up
 
-    def _setup(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> str:
+    def _setup(self, store: Any, rank: int, size: int, timeout: datetime.timedelta, name: GroupName) -> str:
         """Find the node's ranks through ``store``, map the node's segment; the mode's reason."""
-        store = dist.PrefixStore(f"shm/{store.add(f'shm/joins/{rank}', 1)}", store)
-        store.set(f"who/{rank}", whoami(rank))
-        plan = plan_node([parse_who(store.get(f"who/{r}"), f"who/{r}", r, size) for r in range(size)], rank)
+        store = dist.PrefixStore(name.prefix, store)
+        mine = whoami(rank)
+        store.set(f"who/{rank}", mine.to_json())
+        who = [parse_who(store.get(f"who/{r}"), f"who/{r}", r, size) for r in range(size)]
+        who = pin_hosts(who, name, mine)
+        plan = plan_node(who, rank)
         check_local_size(plan, self._options.local_size, rank)
         self._plan = plan
         if plan.whole_gloo is not None:
@@ -151,8 +158,11 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         _require_x86()
         seconds = timeout.total_seconds()
         with thread_affinity(self._options.cpus):  # the slots are allocated on the rank's NUMA node
-            seg, socks = map_segment(store, rank, plan, seconds, shm_check.slot_bytes(os.environ))
-        waiter = Waiter(seg, plan.local, plan.peer_pids, rank, seconds, plan.spin)
+            seg, socks, peers = map_segment(store, rank, plan, seconds, shm_check.slot_bytes(os.environ), name.identity)
+        if name.members == tuple(range(name.world)):  # the world's layout, proven: its subgroups keep to it
+            # (its local ranks proved themselves in the hand-over, and the launcher's count is its floor)
+            identity.remember_hosts(name.identity.store, [w.host for w in who])
+        waiter = Waiter(seg, plan.local, peers, rank, seconds, plan.spin)
         self._eng = LocalEngine(Channel(seg, plan.local, rank, waiter, self._life))
         self._links = PeerLinks({plan.local[j]: s for j, s in socks.items()}, rank)
         numa = setup_levels(self._eng, self._options.cpus or plan.local_cpus[plan.local_rank])
@@ -298,7 +308,12 @@ def _create(dist_opts: Any, pg_options: Any = None) -> ShmProcessGroup:
         raise BackendError(f"pg_options for the shm backend must be cpuddp's ShmOptions, not "
                            f"{type(pg_options).__name__}",
                            fix="pass cpuddp.backends.shm.api.ShmOptions(...) or nothing")
-    return ShmProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout, options)
+    members = list(getattr(dist_opts, "global_ranks_in_group", None) or ())
+    world = dist.get_world_size() if members and dist.is_initialized() else None
+    name = group_name(dist_opts.store, str(getattr(dist_opts, "group_id", "") or ""), members,
+                      dist_opts.group_size, world)
+    return ShmProcessGroup(dist_opts.store, dist_opts.group_rank, dist_opts.group_size, dist_opts.timeout, options,
+                           name)
 
 
 def register() -> None:

@@ -4,8 +4,8 @@ local peers, over an abstract Unix socket whose every peer is checked.
 Local rank 0 makes the segment (:func:`cpuddp.backends.shm.segment.create_segment`) and one
 ``socketpair`` per pair of local ranks, binds a listening socket with a random abstract name,
 and publishes ``sock<TAB>name<TAB>token<TAB>slot`` under the group's ``seg/<rank>`` key.  Each
-local peer connects, and both ends check the other's credentials (``SO_PEERCRED``: this uid;
-the expected pid where the PID namespace is shared):
+local peer connects, and both ends check the other's credentials (``SO_PEERCRED``: this uid)
+and job identity (the words: :mod:`cpuddp.backends.shm.offer`):
 
 * local rank 0 checks a connection right after ``accept()``, before reading a byte: another
   user's connection is closed at once (the first one of each uid logged with its uid and pid,
@@ -18,9 +18,15 @@ the expected pid where the PID namespace is shared):
 * a peer whose connect meets a full backlog waits in the kernel for its turn (woken at each
   ``accept``), until the group timeout; then its error says the socket was busy, and by whom
   (local rank 0 publishes its count under ``busy/<rank 0>``), never "network namespaces";
-* the peer checks that the listening end is this uid (and rank 0's pid) before it says which
-  local rank it is, receives the descriptors (``SCM_RIGHTS``), checks the segment
-  (:func:`cpuddp.backends.shm.segment.check_received`) and answers ``ok`` or its error.
+* the peer checks that the listening end is this uid before it says which local rank it is, and
+  states its job identity (:class:`~cpuddp.launchers.identity.JobIdentity`: the store it
+  connected to, the launcher's job id, the world, the group -- derived by itself, never read
+  from the store); local rank 0 refuses a peer of another job or group at once, and states its
+  own identity with the descriptors (``SCM_RIGHTS``); the peer checks it, then the segment
+  (:func:`cpuddp.backends.shm.segment.check_received`), and answers ``ok`` or its error.  So
+  two jobs of one user whose stores someone rewrote fail, naming the store, and are never wired
+  to each other; each side holds the other's process as the kernel named it
+  (:class:`~cpuddp.launchers.identity.PeerProcess`), never by a pid from the store.
 
 A failure on any local rank is published in the store (``ready/<rank 0>``, ``mapped/<rank>``)
 and raised on all of them at once (:func:`map_segment`).
@@ -33,8 +39,6 @@ import contextlib
 import errno
 import logging
 import os
-import pwd
-import re
 import secrets
 import selectors
 import socket
@@ -44,22 +48,21 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from cpuddp.errors import BackendError
+from cpuddp.launchers.identity import JobIdentity, PeerProcess, mismatch, peer_process
 from cpuddp.launchers.proof import connect_waiting
-from cpuddp.launchers.store_values import STORE_FIX
+from cpuddp.launchers.store_values import stall_cause
 from cpuddp.topology.here import pid_alive
 
-from . import check as shm_check
 from .node import NodePlan
+from .offer import (MAX_HELLO, PEER_FIX, another_job, busy_text, busy_value, hello_line, parse_busy, parse_hello, parse_offer,
+                    uid_problem)
 from .segment import FIX, Segment, check_received, create_segment
 
-__all__ = ["map_segment", "parse_offer", "parse_busy", "busy_text", "HELLO_WITHIN"]
+__all__ = ["map_segment", "HELLO_WITHIN"]
 
 log = logging.getLogger("cpuddp.shm")
 
-_PEER_FIX = "the fix is in that rank's own error (and docs/security.md if another user is named)"
-_SOCK_RE = re.compile(r"^[0-9a-f]{32}$")
 _SOCK_PREFIX = b"\0cpuddp-shm-"
-_MAX_SLOT = 1 << 30
 _POLL = 0.05
 #: How long a connection of this uid may stay silent before local rank 0 drops it.
 HELLO_WITHIN = 1.0
@@ -76,62 +79,8 @@ _BUSY_FIX = ("another user's processes connect to this job's shared-memory hand-
 
 
 def _peer_cred(conn: socket.socket) -> Tuple[int, int]:
-    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    pid, uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[:2]
     return pid, uid
-
-
-def _cred_problem(conn: socket.socket, expected_pids: Optional[set]) -> Optional[str]:
-    """Why the process at the other end of ``conn`` is not one of ours (None when it is)."""
-    pid, uid = _peer_cred(conn)
-    if uid != os.geteuid():
-        return f"runs as uid {uid} (pid {pid}), not this job's uid {os.geteuid()}: another user"
-    if expected_pids is not None and pid not in expected_pids:
-        return f"is pid {pid}, not the expected pid {' or '.join(str(p) for p in sorted(expected_pids))}"
-    return None
-
-
-def _user(uid: int) -> str:
-    with contextlib.suppress(KeyError):
-        return f" ({pwd.getpwuid(uid).pw_name})"
-    return ""
-
-
-def _most(refused: Dict[int, int]) -> List[Tuple[int, int]]:
-    """The three uids with the most refused connections, and their counts."""
-    return sorted(refused.items(), key=lambda kv: -kv[1])[:3]
-
-
-def busy_text(refused: Dict[int, int]) -> str:
-    """``150 connections from uid 999 (name)``, for the uids with the most."""
-    return ", ".join(f"{n} connection{'s' if n != 1 else ''} from uid {uid}{_user(uid)}" for uid, n in _most(refused))
-
-
-def parse_busy(raw: bytes) -> Dict[int, int]:
-    """Local rank 0's published count (``uid<TAB>count`` lines), checked; empty if it is not one."""
-    out: Dict[int, int] = {}
-    for line in raw.decode(errors="replace").splitlines()[:3]:
-        parts = line.split("\t")
-        if len(parts) == 2 and all(p.isdigit() and len(p) <= 12 for p in parts):
-            out[int(parts[0])] = int(parts[1])
-    return out
-
-
-def parse_offer(raw: bytes, key: str) -> Tuple[str, int, int]:
-    """Local rank 0's offer under ``key``: ``sock<TAB>name<TAB>token<TAB>slot``, checked."""
-    text = raw.decode(errors="replace")
-    if text.startswith("error\t"):
-        raise BackendError(text.split("\t", 1)[1], fix=FIX)
-    parts = text.split("\t")
-    try:
-        name, token, slot = parts[1], int(parts[2]), int(parts[3])
-        ok = (len(parts) == 4 and parts[0] == "sock" and _SOCK_RE.match(name) is not None
-              and 0 < token < (1 << 62) + 1 and shm_check.PAGE <= slot <= _MAX_SLOT and slot % shm_check.PAGE == 0)
-    except (IndexError, ValueError):
-        ok = False
-    if not ok:
-        raise BackendError(f"store key {key} holds {raw[:100]!r}, not local rank 0's shared-memory offer",
-                           fix=STORE_FIX)
-    return name, token, slot
 
 
 # --------------------------------------------------------------------------- local rank 0
@@ -143,6 +92,7 @@ class _Conn:
 
     sock: socket.socket
     since: float
+    proc: PeerProcess
     buf: bytes = b""
     local_rank: Optional[int] = None  # set once the descriptors went out
 
@@ -156,7 +106,9 @@ class _Server:
     store: Any
     deadline: float
     fds_for: Callable[[int], Tuple[bytes, List[int]]]
+    identity: JobIdentity
     pending: Dict[int, int] = field(default_factory=dict)  # local rank -> group rank, not served yet
+    peers: Dict[int, PeerProcess] = field(default_factory=dict)  # local rank -> its process, once served
     refused: Dict[int, int] = field(default_factory=collections.Counter)  # another uid -> its connections
     published: Tuple[float, int] = (0.0, 0)  # when, and how many refused, busy/<rank 0> was last set
 
@@ -193,12 +145,8 @@ class _Server:
         """Tell the peers (``busy/<rank 0>``) how many connections of other users were refused."""
         total, (when, last) = sum(self.refused.values()), self.published
         if total != last and time.monotonic() - when > _BUSY_EVERY:
-            self.store.set(f"busy/{self.plan.local[0]}", "\n".join(f"{uid}\t{n}" for uid, n in _most(self.refused)))
+            self.store.set(f"busy/{self.plan.local[0]}", busy_value(self.refused))
             self.published = (time.monotonic(), total)
-
-    def _expected_pids(self) -> Optional[set]:
-        pids = {self.plan.peer_pids.get(r) for r in self.pending.values()}
-        return None if None in pids else pids  # a peer in another PID namespace: uid only
 
     def _accept(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn]) -> None:
         """Accept every connection waiting (a burst at most); another user's is closed at once."""
@@ -207,22 +155,17 @@ class _Server:
                 sock, _ = self.srv.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 return
-            _, uid = _peer_cred(sock)
+            pid, uid = _peer_cred(sock)
             if uid != os.geteuid():
                 if not self.refused[uid]:
                     log.warning("cpuddp.shm: refused a connection to the hand-over socket: the process %s (more "
                                 "from uid %d are counted, and logged once the hand-over ends)",
-                                _cred_problem(sock, None), uid)
+                                uid_problem(pid, uid), uid)
                 self.refused[uid] += 1
                 sock.close()
                 continue
-            problem = _cred_problem(sock, self._expected_pids())
-            if problem is not None:
-                log.warning("cpuddp.shm: refused a connection to the hand-over socket: the process %s", problem)
-                sock.close()
-                continue
             sock.setblocking(False)
-            conns[sock] = _Conn(sock, time.monotonic())
+            conns[sock] = _Conn(sock, time.monotonic(), peer_process(sock))
             sel.register(sock, selectors.EVENT_READ)
 
     def _read(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn], c: _Conn) -> None:
@@ -243,25 +186,33 @@ class _Server:
         c.sock.close()
 
     def _hello(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn], c: _Conn, data: bytes) -> None:
+        """A peer's hello: ``local rank<TAB>group rank<TAB>job identity``.  A wrong local rank is
+        dropped (logged); a rank of another job or group stops the hand-over (the store was
+        rewritten); a rank of this group gets its descriptors and this rank's identity."""
         c.buf += data
-        if data and b"\n" not in c.buf and len(c.buf) < 32:
+        if data and b"\n" not in c.buf and len(c.buf) < MAX_HELLO:
             return
-        text = c.buf.split(b"\n", 1)[0].decode(errors="replace")
-        lr = int(text) if text.isdigit() else -1
-        pid = self.plan.peer_pids.get(self.pending.get(lr, -1))
-        problem = None if lr in self.pending else f"said it is local rank {text[:16]!r}, which is not waiting"
-        if problem is None and pid is not None:
-            problem = _cred_problem(c.sock, {pid})
-        if problem is not None:
-            log.warning("cpuddp.shm: refused a hand-over request: the process %s", problem)
+        lr, rank, theirs = parse_hello(c.buf.split(b"\n", 1)[0])
+        if lr not in self.pending or self.pending[lr] != rank:
+            log.warning("cpuddp.shm: refused a hand-over request: the process (pid %d) said it is local rank %r "
+                        "(rank %r), which is not waiting", c.proc.pid, lr, rank)
             self._close(sel, conns, c)
             return
+        why = mismatch(self.identity, theirs)
+        if why is not None:
+            with contextlib.suppress(OSError):
+                c.sock.setblocking(True)
+                c.sock.sendall(f"refused: {mismatch(theirs, self.identity) if theirs else why}".encode()[:4000])
+            self._close(sel, conns, c)
+            raise another_job(f"the process (pid {c.proc.pid}) that asked for this node's "
+                               f"segment as local rank {lr}", why, self.identity.store)
         msg, fds = self.fds_for(lr)
         c.sock.setblocking(True)
         c.sock.settimeout(HELLO_WITHIN)
         socket.send_fds(c.sock, [msg], fds)
         c.sock.setblocking(False)
         c.local_rank, c.buf = lr, b""
+        self.peers[lr] = c.proc
 
     def _reply(self, sel: selectors.BaseSelector, conns: Dict[socket.socket, _Conn], c: _Conn, data: bytes) -> None:
         c.buf += data
@@ -278,9 +229,8 @@ class _Server:
         now = time.monotonic()
         for c in list(conns.values()):
             if c.local_rank is None and now - c.since > HELLO_WITHIN:
-                pid, _ = _peer_cred(c.sock)
                 log.warning("cpuddp.shm: dropped a connection to the hand-over socket that said nothing for %.0f s "
-                            "(pid %d)", HELLO_WITHIN, pid)
+                            "(pid %d)", HELLO_WITHIN, c.proc.pid)
                 self._close(sel, conns, c)
 
     def _peers_failed(self) -> None:
@@ -290,13 +240,13 @@ class _Server:
                 text = self.store.get(key).decode(errors='replace').split(chr(9), 1)[-1]
                 if self.refused:
                     raise self._error(f"local rank {lr}: {text}")
-                raise BackendError(f"local rank {lr}: {text}", fix=_PEER_FIX)
+                raise BackendError(f"local rank {lr}: {text}", fix=PEER_FIX)
             pid = self.plan.peer_pids.get(r)
             if pid is not None and not pid_alive(pid):
                 raise self._error(f"local rank {lr} (rank {r}, pid {pid}) died before it mapped the segment")
         if time.monotonic() > self.deadline:
-            raise self._error(f"local rank(s) {sorted(self.pending)} did not ask for the segment within the group "
-                              "timeout")
+            late = f"local rank(s) {sorted(self.pending)} did not ask for the segment within the group timeout"
+            raise self._error(late) if self.refused else BackendError(late, fix=stall_cause(self.identity.store))
 
 
 def _socket_pairs(n: int) -> Dict[Tuple[int, int], socket.socket]:
@@ -308,23 +258,25 @@ def _socket_pairs(n: int) -> Dict[Tuple[int, int], socket.socket]:
     return ends
 
 
-def _create_and_serve(store: Any, key: str, plan: NodePlan, deadline: float,
-                      slot: int) -> Tuple[Segment, Dict[int, socket.socket]]:
+def _create_and_serve(store: Any, key: str, plan: NodePlan, deadline: float, slot: int,
+                      identity: JobIdentity) -> Tuple[Segment, Dict[int, socket.socket], Dict[int, PeerProcess]]:
     fd, token = create_segment(plan.local_size, slot)
     ends = _socket_pairs(plan.local_size)
     try:
         seg = Segment(fd, 0, plan.local_size, slot)
         seg.hold_liveness()
+        offer = struct.pack("q", token) + identity.wire().encode()
 
         def fds_for(lr: int) -> Tuple[bytes, List[int]]:
-            return struct.pack("q", token), [fd] + [ends[(lr, j)].fileno() for j in range(plan.local_size) if j != lr]
+            return offer, [fd] + [ends[(lr, j)].fileno() for j in range(plan.local_size) if j != lr]
 
         name = secrets.token_hex(16)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as srv:
             srv.bind(_SOCK_PREFIX + name.encode())
             srv.listen(max(socket.SOMAXCONN, plan.local_size))  # the kernel caps it (net.core.somaxconn)
             store.set(key, f"sock\t{name}\t{token}\t{slot}")
-            _Server(srv, plan, store, deadline, fds_for).run()
+            server = _Server(srv, plan, store, deadline, fds_for, identity)
+            server.run()
     except BaseException:
         os.close(fd)
         for s in ends.values():
@@ -333,23 +285,25 @@ def _create_and_serve(store: Any, key: str, plan: NodePlan, deadline: float,
     mine = {j: ends.pop((0, j)) for j in range(1, plan.local_size)}
     for s in ends.values():  # the peers hold theirs now
         s.close()
-    return seg, mine
+    return seg, mine, server.peers
 
 
 # --------------------------------------------------------------------------- the other local ranks
 
 
-def _connect(name: str, deadline: float, busy: Callable[[], str]) -> socket.socket:
+def _connect(name: str, deadline: float, busy: Callable[[], str], store: str) -> socket.socket:
     """A connection to local rank 0's hand-over socket.  A full backlog is waited out in the kernel
     (each ``accept`` wakes the waiting connects) until ``deadline``; then the error says the socket
-    was busy, and by whom (``busy()``: local rank 0's published count, or nothing)."""
+    was busy, and by whom (``busy()``: local rank 0's published count, or nothing).  ``store``:
+    the rendezvous store's endpoint, which named the socket."""
     try:
         return connect_waiting(_SOCK_PREFIX + name.encode(), deadline)
     except OSError as exc:
         if exc.errno != errno.EAGAIN:
-            raise BackendError(f"cannot reach local rank 0's shared-memory hand-over socket: {exc.strerror} "
-                               "(ranks with the same host identity in different network namespaces?)",
-                               fix=FIX) from exc
+            raise BackendError(f"cannot reach the shared-memory hand-over socket the rendezvous store at {store} "
+                               f"names for local rank 0: {exc.strerror} (ranks with the same host identity in "
+                               "different network namespaces, or something other than this job's ranks writes to "
+                               "the store: docs/security.md)", fix=FIX) from exc
         counts = busy()
         raise BackendError("hand-over socket busy: local rank 0's shared-memory hand-over socket kept its "
                            "listen backlog full until the group timeout, so this rank could not connect"
@@ -357,26 +311,49 @@ def _connect(name: str, deadline: float, busy: Callable[[], str]) -> socket.sock
                            fix=_BUSY_FIX) from exc
 
 
-def _fetch(name: str, token: int, plan: NodePlan, slot: int, deadline: float,
-           busy: Callable[[], str] = lambda: "") -> Tuple[Segment, List[int]]:
+def _check_leader(conn: socket.socket) -> PeerProcess:
+    """Local rank 0's end of ``conn`` must run as this user (checked before a byte is sent)."""
+    proc = peer_process(conn)
+    problem = uid_problem(proc.pid, proc.uid)
+    if problem is not None:
+        raise BackendError(f"the process at the other end of the shared-memory hand-over (local rank 0) {problem}; "
+                           "refusing", fix="see docs/security.md (something else writes to this job's store)")
+    return proc
+
+
+def _receive(conn: socket.socket, token: int, want: int, identity: JobIdentity, leader: PeerProcess) -> List[int]:
+    """The ``want`` descriptors local rank 0 sends, once its identity proves it is of this job
+    and group (the token alone came from the store: it proves nothing)."""
+    try:
+        msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_HELLO, want)
+    except OSError as exc:
+        raise BackendError(f"local rank 0 (pid {leader.pid}) closed the hand-over before it sent the segment "
+                           f"({exc.strerror or exc}): it failed, or refused this rank", fix=FIX) from None
+    why: Optional[str] = None
+    if len(fds) == want and msg[:8] == struct.pack("q", token):
+        why = mismatch(identity, JobIdentity.from_wire(msg[8:]))
+        if why is None:
+            return fds
+    elif msg.startswith(b"refused: "):
+        why = msg[len(b"refused: "):].decode(errors="replace")
+    for f in fds:
+        os.close(f)
+    if why:
+        raise another_job(f"the process (pid {leader.pid}) at local rank 0's hand-over socket", why,
+                           identity.store)
+    raise BackendError("local rank 0's socket did not hand over this group's segment", fix=FIX)
+
+
+def _fetch(name: str, token: int, plan: NodePlan, slot: int, deadline: float, identity: JobIdentity, rank: int,
+           busy: Callable[[], str] = lambda: "") -> Tuple[Segment, List[int], PeerProcess]:
     """A peer: connect to local rank 0's socket, check it, receive and check the descriptors, map
     the segment and take this rank's liveness lock -- all before the "ok" that lets local rank 0
     start its first round (a peer it waits for then never looks dead for still mapping)."""
-    rank0 = plan.local[0]
-    pid0 = plan.peer_pids.get(rank0)
-    want = plan.local_size  # the segment and one socket per other local rank
-    with _connect(name, deadline, busy) as conn:
+    with _connect(name, deadline, busy, identity.store) as conn:
         conn.settimeout(max(1.0, deadline - time.monotonic()))
-        problem = _cred_problem(conn, None if pid0 is None else {pid0})
-        if problem is not None:
-            raise BackendError(f"the process at the other end of the shared-memory hand-over (local rank 0) {problem}; "
-                               "refusing", fix="see docs/security.md (something else writes to this job's store)")
-        conn.sendall(f"{plan.local_rank}\n".encode())
-        msg, fds, _flags, _addr = socket.recv_fds(conn, 64, want)
-        if len(fds) != want or msg != struct.pack("q", token):
-            for f in fds:
-                os.close(f)
-            raise BackendError("local rank 0's socket did not hand over this group's segment", fix=FIX)
+        leader = _check_leader(conn)
+        conn.sendall(hello_line(plan.local_rank, rank, identity))
+        fds = _receive(conn, token, plan.local_size, identity, leader)
         try:  # an open file description of our own: its liveness lock is ours alone
             fd = os.open(f"/proc/self/fd/{fds[0]}", os.O_RDWR | os.O_CLOEXEC)
         finally:
@@ -393,27 +370,30 @@ def _fetch(name: str, token: int, plan: NodePlan, slot: int, deadline: float,
                 conn.sendall(str(getattr(exc, "msg", exc)).encode()[:4000])
             raise
         conn.sendall(b"ok")
-    return seg, fds[1:]
+    return seg, fds[1:], leader
 
 
-def _attach(store: Any, key: str, plan: NodePlan, deadline: float) -> Tuple[Segment, Dict[int, socket.socket]]:
+def _attach(store: Any, key: str, plan: NodePlan, deadline: float, identity: JobIdentity,
+            rank: int) -> Tuple[Segment, Dict[int, socket.socket], Dict[int, PeerProcess]]:
     rank0 = plan.local[0]
-    pid0 = plan.peer_pids.get(rank0)
+    pid0 = plan.peer_pids.get(rank0)  # the store's word: only to notice a death sooner
+    died = f"local rank 0 (rank {rank0}, pid {pid0}) died"
     raw = _wait_key(store, key, deadline, "waiting for local rank 0's shared-memory segment",
-                    lambda: None if pid0 is None or pid_alive(pid0) else f"local rank 0 (rank {rank0}, pid {pid0}) died")
-    name, token, slot = parse_offer(raw, key)
+                    lambda: None if pid0 is None or pid_alive(pid0) else died, identity.store)
+    name, token, slot = parse_offer(raw, key, identity.store)
 
     def busy() -> str:
         key = f"busy/{rank0}"
         return busy_text(parse_busy(store.get(key))) if store.check([key]) else ""
 
-    seg, others = _fetch(name, token, plan, slot, deadline, busy)
+    seg, others, leader = _fetch(name, token, plan, slot, deadline, identity, rank, busy)
     peers = [j for j in range(plan.local_size) if j != plan.local_rank]
-    return seg, {j: socket.socket(fileno=f) for j, f in zip(peers, others)}
+    return seg, {j: socket.socket(fileno=f) for j, f in zip(peers, others)}, {0: leader}
 
 
-def _wait_key(store: Any, key: str, deadline: float, what: str, failed: Callable[[], Optional[str]]) -> bytes:
-    """Poll the store for ``key`` while ``failed()`` has nothing to say, until ``deadline``."""
+def _wait_key(store: Any, key: str, deadline: float, what: str, failed: Callable[[], Optional[str]],
+              where: str) -> bytes:
+    """Poll the store (at ``where``) for ``key`` while ``failed()`` has nothing to say, until ``deadline``."""
     while True:
         if store.check([key]):
             return store.get(key)
@@ -421,7 +401,8 @@ def _wait_key(store: Any, key: str, deadline: float, what: str, failed: Callable
         if why is not None:
             raise BackendError(f"{what}: {why}", fix=FIX)
         if time.monotonic() > deadline:
-            raise BackendError(f"{what}: store key {key} did not appear within the group timeout", fix=FIX)
+            raise BackendError(f"{what}: store key {key} did not appear within the group timeout",
+                               fix=stall_cause(where))
         time.sleep(_POLL)
 
 
@@ -435,30 +416,33 @@ def _linger_for_peers(store: Any, plan: NodePlan, until: float) -> None:
             time.sleep(_POLL)
 
 
-def map_segment(store: Any, rank: int, plan: NodePlan, timeout: float,
-                slot: int) -> Tuple[Segment, Dict[int, socket.socket]]:
+def map_segment(store: Any, rank: int, plan: NodePlan, timeout: float, slot: int,
+                identity: JobIdentity) -> Tuple[Segment, Dict[int, socket.socket], Dict[int, PeerProcess]]:
     """Map the node's segment on every local rank; also each rank's socket to every other local
-    rank (``{local rank: socket}``).  Any local rank's failure is raised on all, fast."""
+    rank (``{local rank: socket}``) and the processes it met in the hand-over, as the kernel named
+    them (``{local rank: PeerProcess}``: local rank 0 meets every peer, a peer meets local rank 0).
+    ``identity``: this rank's job and group, which every rank it meets must share.  Any local
+    rank's failure is raised on all, fast."""
     deadline = time.monotonic() + timeout
     key, ready = f"seg/{plan.local[0]}", f"ready/{plan.local[0]}"
     try:
         if plan.local_rank == 0:
-            seg, socks = _create_and_serve(store, key, plan, deadline, slot)
+            seg, socks, peers = _create_and_serve(store, key, plan, deadline, slot, identity)
         else:
-            seg, socks = _attach(store, key, plan, deadline)
+            seg, socks, peers = _attach(store, key, plan, deadline, identity, rank)
     except BaseException as exc:
         _publish_failure(store, rank, plan, key, ready, deadline, exc)
         raise
     if plan.local_rank == 0:
         store.set(ready, "ok")
-        return seg, socks
+        return seg, socks, peers
     got = _wait_key(store, ready, deadline, "waiting for the node's ranks to map the segment",
-                    lambda: None if seg.alive(0) else "local rank 0 died")
+                    lambda: None if seg.alive(0) else "local rank 0 died", identity.store)
     if got != b"ok":
         seg.close()
         raise BackendError("the shared-memory segment could not be mapped: "
                            + got.decode(errors="replace").split("\t", 1)[-1], fix=FIX)
-    return seg, socks
+    return seg, socks, peers
 
 
 def _publish_failure(store: Any, rank: int, plan: NodePlan, key: str, ready: str, deadline: float,

@@ -6,23 +6,64 @@ exchange at init; :func:`parse_who` checks each record it reads with the same
 :func:`~cpuddp.launchers.hosts.parse_record` (a malformed one is an error naming its key), and
 :func:`plan_node` (pure) places this rank with the same :func:`~cpuddp.launchers.hosts.layout`
 and adds what only the shm group needs: the peers' pids, whether to spin, whether the whole group
-runs on gloo.  Nothing here is trusted for safety: a plan that puts a rank on this node is
-proved by the hand-over (:mod:`cpuddp.backends.shm.handover` checks the peer's credentials),
-and a plan with fewer local ranks than the launcher said is refused
-(:func:`check_local_size`).
+runs on gloo.  Which node each member is on is not the store's to say: where the job's layout was proven
+(at init, or by the world's shm group), :func:`pin_hosts` takes each member's host from it,
+so no record written while a group forms can move a member off its node (and the group off
+shared memory).  A plan that puts a rank on this node is proved by the hand-over
+(:mod:`cpuddp.backends.shm.handover` checks the peer's credentials and its job identity), and
+a plan with fewer local ranks than the launcher said is refused (:func:`check_local_size`).
+
+:class:`GroupName` is what tells one group's formation from another's, from the process's own
+facts: its key prefix in the store (a count this process keeps, which no one else can move)
+and the group part of its :class:`~cpuddp.launchers.identity.JobIdentity`.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
+import hashlib
+import os
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 from cpuddp.errors import BackendError, RendezvousError
+from cpuddp.launchers import identity
 from cpuddp.launchers.hosts import HostRecord, layout, parse_record
 from cpuddp.launchers.store_values import STORE_FIX
 
-__all__ = ["NodePlan", "whoami", "parse_who", "plan_node", "check_local_size"]
+__all__ = ["NodePlan", "GroupName", "group_name", "whoami", "parse_who", "pin_hosts", "plan_node", "check_local_size"]
+
+#: (store endpoint, group) -> how many times this process formed that group on that store.
+_formed: "collections.Counter[Tuple[str, str]]" = collections.Counter()
+
+
+@dataclass(frozen=True)
+class GroupName:
+    """One formation of a group: ``members`` its global ranks in group-rank order, ``world`` the
+    job's size, ``prefix`` its keys' prefix in the group's store, ``identity`` what its ranks
+    state to each other."""
+
+    members: Tuple[int, ...]
+    world: int
+    prefix: str
+    identity: identity.JobIdentity
+
+
+def group_name(store: Any, group_id: str, global_ranks: Sequence[int], size: int, world: Optional[int],
+               environ: Any = os.environ) -> GroupName:
+    """This process's name for the group forming now (``global_ranks`` empty: the world; ``world``:
+    the job's size, None when this is the world)."""
+    members = tuple(global_ranks) or tuple(range(size))
+    endpoint = identity.store_endpoint(store)
+    digest = hashlib.sha256(",".join(map(str, members)).encode()).hexdigest()[:16]
+    group = f"{group_id or '-'}/{len(members)}:{digest}"
+    _formed[(endpoint, group)] += 1
+    n = _formed[(endpoint, group)]
+    world = world or size
+    job = identity.JobIdentity(endpoint, identity.launcher_job(environ), world, f"{group}/{n}")
+    return GroupName(members, world, f"shm/{n}", job)
 
 
 
@@ -35,9 +76,9 @@ def _as_backend_error() -> Iterator[None]:
         raise BackendError(exc.msg, fix=exc.fix) from None
 
 
-def whoami(rank: int) -> str:
-    """Group rank ``rank``'s record as JSON: host identity, allowed CPUs, pid, PID namespace."""
-    return HostRecord.here(rank, None, None, process=True).to_json()
+def whoami(rank: int) -> HostRecord:
+    """Group rank ``rank``'s record: host identity, allowed CPUs, pid, PID namespace."""
+    return HostRecord.here(rank, None, None, process=True)
 
 
 def parse_who(raw: bytes, key: str, rank: int, size: int) -> HostRecord:
@@ -45,6 +86,16 @@ def parse_who(raw: bytes, key: str, rank: int, size: int) -> HostRecord:
     every field checked (:func:`~cpuddp.launchers.hosts.parse_record`)."""
     with _as_backend_error():
         return parse_record(key, raw, rank, size, process=True)
+
+
+def pin_hosts(who: Sequence[HostRecord], name: GroupName, mine: HostRecord) -> List[HostRecord]:
+    """``who`` (a group's records, in group-rank order) with each member's host from the job's
+    proven layout where there is one, and this rank's record its own, not the store's copy."""
+    proven = identity.proven_hosts(name.identity.store, name.world)
+    out = [mine if w.rank == mine.rank else w for w in who]
+    if proven is None:
+        return out
+    return [dataclasses.replace(w, host=proven[name.members[w.rank]]) for w in out]
 
 
 @dataclass(frozen=True)

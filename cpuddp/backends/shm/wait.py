@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch.distributed as dist
-
-from cpuddp.topology.here import pid_alive
 
 from .segment import C_STATE, STATE_LEFT, W_ABORT, Segment
 
@@ -79,10 +77,12 @@ def spin_until(ready: Callable[[], bool], spin: bool = True) -> bool:
 class Waiter:
     """One group's waiting: spin policy, liveness checks, the abort word and the timeout."""
 
-    def __init__(self, seg: Segment, local: Sequence[int], peer_pids: Dict[int, int], rank: int, timeout: float,
+    def __init__(self, seg: Segment, local: Sequence[int], peers: Dict[int, Any], rank: int, timeout: float,
                  spin: bool) -> None:
+        """``peers``: local rank -> the :class:`~cpuddp.launchers.identity.PeerProcess` the
+        hand-over met (the others' liveness is their lock on the segment alone)."""
         self.seg, self.local, self.rank, self.timeout = seg, tuple(local), rank, timeout
-        self.peer_pids = {self.local.index(r): pid for r, pid in peer_pids.items()}
+        self.peers = dict(peers)
         self.spin = spin
 
     def until(self, pending: Callable[[], bool], late: Callable[[], List[int]], what: str,
@@ -115,9 +115,9 @@ class Waiter:
                 raise dist.DistBackendError(
                     f"shm: {who}) left the group (cpuddp.shutdown() or destroy_process_group()) and lives on, "
                     f"while rank {self.rank} waited for it in {what}")
-            pid = self.peer_pids.get(i)
-            if not self.seg.alive(i) or (pid is not None and not pid_alive(pid)):
-                pid_text = f", pid {pid}" if pid is not None else ", in another PID namespace"
+            proc = self.peers.get(i)
+            if not self.seg.alive(i) or (proc is not None and not proc.alive()):
+                pid_text = ("" if proc is None else f", pid {proc.pid}" if proc.pid else ", in another PID namespace")
                 raise dist.DistBackendError(
                     f"shm: {who}{pid_text}) on this node died while rank {self.rank} waited for them in {what}")
 
