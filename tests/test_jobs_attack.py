@@ -45,7 +45,7 @@ WITH_A_PEER = ("every rank stops with it", "local rank 1", "local rank 0", "the 
 
 
 def _stage(run: Path) -> None:
-    for name in ("jobs_intruder.py", "jobs_victim.py"):
+    for name in ("jobs_intruder.py", "init_intruder.py", "shm_intruder.py", "jobs_victim.py"):
         shutil.copy(SCRIPTS / name, run / name)
         os.chmod(run / name, 0o644)
     os.chmod(run, 0o777)

@@ -23,61 +23,30 @@ It writes what it did to ``DIR/intruder.json``: its uid and how many keys it wro
 
 import json
 import os
-import socket
 import struct
 import sys
 import time
 
-VALIDATE, SET, GET, ADD, CHECK, DELETE = 0, 1, 3, 4, 5, 8
-MAGIC = 0x3C85F7CE
-PREFIX = "/worker/attempt_0/"  # torchrun's agent store, as the job's ranks use it
+import init_intruder  # copied beside this file (with shm_intruder.py, which it imports)
+
+ADD, DELETE = 4, 8  # TCPStore's query types beyond init_intruder's
+PREFIX = init_intruder.PREFIX  # torchrun's agent store, as the job's ranks use it
 NS = {0: 11, 1: 21}  # where the counter moves each rank (old code)
 
 
-class Store:
-    """A TCPStore client in the standard library (keys go on the wire with the client's "/")."""
-
-    def __init__(self, port: int) -> None:
-        self.s = socket.create_connection(("127.0.0.1", port), timeout=10)
-        self.s.sendall(struct.pack("=BI", VALIDATE, MAGIC))
-
-    @staticmethod
-    def _text(b: bytes) -> bytes:
-        return struct.pack("=Q", len(b)) + b
-
-    def _key(self, key: str) -> bytes:
-        return self._text(("/" + key).encode())
-
-    def set(self, key: str, value: bytes) -> None:
-        self.s.sendall(bytes([SET]) + self._key(key) + self._text(value))
+class Store(init_intruder.Store):
+    """init_intruder's standard-library TCPStore client, with add, delete and peek."""
 
     def add(self, key: str, n: int) -> int:
-        self.s.sendall(bytes([ADD]) + self._key(key) + struct.pack("=q", n))
+        self.s.sendall(bytes([ADD]) + self._text(("/" + key).encode()) + struct.pack("=q", n))
         return struct.unpack("=q", self._recv(8))[0]
 
     def delete(self, key: str) -> None:
-        self.s.sendall(bytes([DELETE]) + self._key(key))
+        self.s.sendall(bytes([DELETE]) + self._text(("/" + key).encode()))
         self._recv(8)
-
-    def check(self, key: str) -> bool:
-        self.s.sendall(bytes([CHECK]) + struct.pack("=Q", 1) + self._key(key))
-        return self._recv(1)[0] == 0
-
-    def get(self, key: str) -> bytes:
-        self.s.sendall(bytes([GET]) + self._key(key))
-        return self._recv(struct.unpack("=Q", self._recv(8))[0])
 
     def peek(self, key: str):
         return self.get(key) if self.check(key) else None
-
-    def _recv(self, n: int) -> bytes:
-        out = b""
-        while len(out) < n:
-            chunk = self.s.recv(n - len(out))
-            if not chunk:
-                raise OSError("the store closed the connection")
-            out += chunk
-        return out
 
 
 def connect(port: int, deadline: float) -> Store:
