@@ -37,6 +37,7 @@ __all__ = [
     "print0",
     "log0",
     "group_rank_world",
+    "require_group",
 ]
 
 
@@ -56,6 +57,28 @@ def group_rank_world(group: Any = None) -> tuple[int, int]:
     if dist is None:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def require_group(what: str) -> None:
+    """Raise when the launcher says this process is one rank of several but no process group
+    exists: ``what`` (``prepare()``, ``shard()``) would then run this rank alone, training a model
+    of its own on every batch, unsynchronised with the others, and exit 0."""
+    if _dist() is not None:
+        return
+    from cpuddp.errors import LauncherEnvError, PrepareError
+    from cpuddp.launchers.registry import detect
+
+    try:
+        env = detect(os.environ)
+    except LauncherEnvError:
+        return  # init_distributed() says what is wrong with these variables
+    if env.world_size > 1:
+        said = env.sources.get("world_size")
+        var = f" ({said.detail}={env.world_size})" if said is not None and said.from_variable else ""
+        raise PrepareError(
+            f"{what}: the launcher says this is rank {env.rank} of {env.world_size}{var}, but no process group "
+            f"exists: {what} would train this rank alone, on every batch, unsynchronised with the other ranks",
+            fix="call cpuddp.init_distributed() before it (or torch.distributed.init_process_group())")
 
 
 def _where() -> Any:

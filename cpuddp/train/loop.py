@@ -34,6 +34,7 @@ from cpuddp.ranks import group_rank_world as _rank_world
 
 from .checkpoint.atomic import write_atomically
 from .checkpoint.paths import open_own_file, state_nbytes
+from .checkpoint.resume_io import load_tensors
 from .common.data import ShardedLoader, shard
 from .common.rank0 import global_rank0, on_rank0
 from .precision import bf16 as precision
@@ -222,7 +223,7 @@ def save_state_dict(model: nn.Module, path: Union[str, os.PathLike], *, group: A
 def read_state(path: str, check_permissions: bool = True) -> Any:
     """``torch.load`` of a file this user owns (:func:`cpuddp.train.checkpoint.paths.open_own_file`), tensors only."""
     with open_own_file(path, check_permissions=check_permissions, stacklevel=5) as f:
-        return torch.load(f, map_location="cpu", weights_only=True)
+        return load_tensors(f, path)
 
 
 def load_state_dict(

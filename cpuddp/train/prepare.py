@@ -75,7 +75,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cpuddp.errors import PrepareError
-from cpuddp.ranks import get_rank
+from cpuddp.ranks import get_rank, require_group
 
 from .common.comm import bf16_allreduce_hook, bf16_allreduce_supported
 from .precision.bf16 import cpu_bf16_support, decide_precision
@@ -217,8 +217,12 @@ def _check_bare_cpu_module(model: nn.Module) -> None:
 
 
 def _world_size(group: Any) -> int:
+    """The group's size; 1 without a process group, unless the launcher says there are more ranks
+    (then the user forgot ``init_distributed()``: an error, never a model trained alone)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(group)
+    if group is None:
+        require_group("cpuddp.prepare()")
     return 1
 
 

@@ -76,7 +76,7 @@ from .ckpt_dirs import remove_dead_dirs
 from .ckpt_index import checkpoint_name, checkpoints, note_new, prune, supersede
 from .ckpt_lock import hold_directory, while_free
 from .paths import check_directory, checked_entry, open_own_file, private_directory, state_nbytes
-from .resume_io import apply_state, gather_state, load_sharded, save_sharded
+from .resume_io import apply_state, gather_state, load_sharded, load_tensors, save_sharded
 
 __all__ = ["save_checkpoint", "load_checkpoint", "Resumed", "list_checkpoints", "FORMAT"]
 
@@ -324,6 +324,17 @@ def _find(path: str, check_permissions: bool) -> Optional[list[str]]:
     return ["sharded" if found[-1].sharded else "file", os.path.join(path, os.path.basename(found[-1].path))]
 
 
+def _say_fresh(path: str, rank: int) -> None:
+    """Say, once (rank 0), that nothing is resumed: a mistyped directory must not restart at step 0 silently."""
+    if rank != 0:
+        return
+    if os.path.lexists(path):
+        _log.info("no checkpoint in %s: starting at step 0", path)
+    else:
+        _log.warning("no checkpoint in %s (it does not exist): starting at step 0; if you meant to resume, check "
+                     "the path", path)
+
+
 def _tell_world(saved: int, world: int) -> None:
     """Rank 0's line when the world size changed (what carries over, what does not)."""
     _log.warning(
@@ -368,7 +379,7 @@ def load_checkpoint(
     found = (_find(path, check_permissions) if world == 1
              else on_rank0(lambda: _find(path, check_permissions), f"finding a checkpoint in {path!r}", fix, group))
     if found is None:
-        _log.info("no checkpoint in %s: starting fresh", path)
+        _say_fresh(path, rank)
         return None
     kind, where = found
     meta = os.path.join(where, "trainer.pt") if kind == "sharded" else where
@@ -379,7 +390,7 @@ def load_checkpoint(
         on_rank0(lambda: mine.append(_read_bytes(meta, check_permissions)) or len(mine[0]),
                  f"reading {meta!r}", fix, group)
         data = broadcast_bytes(mine[0] if rank == 0 else None, group)
-    state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    state = load_tensors(io.BytesIO(data), meta)
     del data
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         raise CheckpointError(f"{where!r} is not a cpuddp training checkpoint (no format {FORMAT!r})", path=where,

@@ -24,10 +24,25 @@ from .atomic import write_atomically
 from .ckpt_dirs import TempDir, finish, make_temp_dir, read_token
 from .paths import is_space_error, space_error, state_nbytes
 
-__all__ = ["gather_state", "apply_state", "save_sharded", "load_sharded", "TRAINER_FILE"]
+__all__ = ["gather_state", "apply_state", "save_sharded", "load_sharded", "load_tensors", "TRAINER_FILE"]
 
 #: In a sharded checkpoint's directory: everything but the model and optimizer (rank 0 writes it).
 TRAINER_FILE = "trainer.pt"
+
+
+def load_tensors(source: Any, path: str) -> Any:
+    """``torch.load(source, weights_only=True)`` of the file at ``path``; a file that is not one
+    torch saved (or holds objects that are not plain data) is a :class:`CheckpointError` naming it --
+    never torch's advice to load it with ``weights_only=False``, which runs whatever it holds."""
+    import pickle
+
+    try:
+        return torch.load(source, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, EOFError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{path!r} is not a checkpoint: torch cannot read it as tensors and plain data "
+                              f"({type(exc).__name__})", path=path,
+                              fix="pass the directory save_checkpoint() wrote, or a file save_state_dict() or "
+                                  "torch.save() wrote; a file from elsewhere is not loaded (it could run code)") from None
 
 
 def gather_state(core: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> tuple[dict, Optional[dict]]:

@@ -37,6 +37,7 @@ from torch.utils.data.distributed import DistributedSampler
 from cpuddp.affinity import pin as affinity
 from cpuddp.errors import CheckpointError, PrepareError
 from cpuddp.ranks import group_rank_world as _rank_world
+from cpuddp.ranks import require_group
 
 __all__ = ["ShardedLoader", "shard"]
 
@@ -310,6 +311,8 @@ def shard(
     starts them.
     """
     worker_threads = _worker_threads(worker_threads)
+    if num_replicas is None:
+        require_group("cpuddp.shard()")
     r, w = _rank_world()
     rank = r if rank is None else rank
     world = w if num_replicas is None else num_replicas
