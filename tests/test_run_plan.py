@@ -430,3 +430,15 @@ def test_cli_hostfile_slots_set_the_ranks_per_node(tmp_path) -> None:
     hostfile.write_text("fd00::2\n[fd00::3]:2\n")
     res = _cli("--dry-run", "--no-host-check", "--hostfile", str(hostfile), "--launcher", str(fake), "examples/finetune.py")
     assert res.returncode == 2 and "gives slot counts for some hosts (fd00::3:2) but not for fd00::2" in res.stderr
+
+
+@pytest.mark.parametrize("name, ours", [("--nproc-per-node", "--ranks-per-node N"), ("--nproc_per_node", "--ranks-per-node N"),
+                                        ("--nnodes", "--hosts H1,H2")])
+def test_torchruns_option_names_point_to_ours_not_unrecognized(name, ours) -> None:
+    """``cpuddp run --nproc-per-node 2`` used to get only "unrecognized arguments" (issue 46)."""
+    res = _cli(name, "2", "--dry-run", "examples/finetune.py")
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert f"{name} is torchrun's option" in res.stderr and ours in res.stderr, res.stderr
+    assert "unrecognized" not in res.stderr
+    after = _cli("--dry-run", "examples/finetune.py", name, "2")  # the script's own arguments are its own
+    assert after.returncode == 0 and f"finetune.py {name} 2" in after.stdout, after.stderr

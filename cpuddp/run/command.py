@@ -33,7 +33,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from cpuddp.topology import here
 from cpuddp.topology.model import Topology, synthetic_topology
@@ -51,9 +51,23 @@ SSH_PORT = 22
 HOST_CHECK_TIMEOUT = 3.0  # seconds for each host's ssh port to answer
 
 
+#: torchrun's names for what ``cpuddp run`` plans itself -> ours.
+_TORCHRUN_NAMES = {"--nproc-per-node": "--ranks-per-node N", "--nproc_per_node": "--ranks-per-node N",
+                   "--nnodes": "--hosts H1,H2 (or --hostfile FILE; in a Slurm allocation, nothing)"}
+
+
+class _TorchrunName(argparse.Action):
+    """An option of torchrun's given to ``cpuddp run``: an error naming ours (not "unrecognized")."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: Any, values: Any, option_string: Any = None) -> None:
+        parser.error(f"{option_string} is torchrun's option; cpuddp run starts torchrun itself and takes "
+                     f"{_TORCHRUN_NAMES[option_string]}")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     size = p.add_argument_group("the plan (default: one rank per NUMA node)")
     size.add_argument("--ranks-per-node", type=int, metavar="N", help="ranks on each node")
+    size.add_argument(*_TORCHRUN_NAMES, action=_TorchrunName, nargs="?", help=argparse.SUPPRESS)
     size.add_argument("--cores-per-rank", type=int, metavar="C", help="physical cores per rank (must divide the node's)")
     where = p.add_argument_group("where (default: this node; in a Slurm allocation: srun over it)")
     where.add_argument("--hosts", metavar="H1,H2", help="comma-separated hosts (host or host:N): started with the "
