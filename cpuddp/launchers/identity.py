@@ -40,7 +40,7 @@ import struct
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
 
-__all__ = ["JobIdentity", "PeerProcess", "store_endpoint", "mismatch", "peer_process", "launcher_job",
+__all__ = ["JobIdentity", "PeerProcess", "store_endpoint", "mismatch", "peer_cred", "peer_process", "launcher_job",
            "remember_hosts", "proven_hosts"]
 
 #: ``SO_PEERPIDFD`` (Linux 6.5+; Python names it from 3.12 on only where the headers did).
@@ -161,10 +161,16 @@ class PeerProcess:
         self.close()
 
 
+def peer_cred(conn: socket.socket) -> tuple:
+    """The (pid, uid) of the process at the other end of ``conn`` (``SO_PEERCRED``)."""
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
+
+
 def peer_process(conn: socket.socket) -> PeerProcess:
     """The :class:`PeerProcess` at the other end of ``conn`` (``SO_PEERCRED``, ``SO_PEERPIDFD``).
     The pid is 0 when the peer is in a PID namespace this one cannot see (then no pid is checked)."""
-    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    pid, uid = peer_cred(conn)
     pidfd = None
     with contextlib.suppress(OSError):
         pidfd = struct.unpack("i", conn.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD, 4))[0]

@@ -46,7 +46,7 @@ from cpuddp.errors import RendezvousError
 
 from . import store_values
 from .hosts import _ERROR, HostRecord, _peer_error, exchange, parse_record
-from .identity import JobIdentity, launcher_job, mismatch, store_endpoint
+from .identity import JobIdentity, launcher_job, mismatch, peer_cred, store_endpoint
 
 __all__ = ["prove_node", "node_roles", "check_roles", "connect_waiting"]
 
@@ -131,12 +131,6 @@ def _listen() -> socket.socket:
     return srv
 
 
-def _peer(conn: socket.socket) -> tuple[int, int]:
-    """The (pid, uid) of the process at the other end of ``conn`` (SO_PEERCRED)."""
-    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    return pid, uid
-
-
 def _send(conn: socket.socket, obj: Any) -> None:
     data = json.dumps(obj).encode()
     conn.sendall(struct.pack("!I", len(data)) + data)
@@ -199,7 +193,7 @@ def _accept_all(server: socket.socket, rank: int, strangers: list[int]) -> list[
             conn, _ = server.accept()
         except (BlockingIOError, InterruptedError):
             return mine
-        pid, uid = _peer(conn)
+        pid, uid = peer_cred(conn)
         if uid == os.geteuid():
             mine.append(conn)
             continue
@@ -246,7 +240,7 @@ def _member(conn: socket.socket, rank: int, records: Sequence[HostRecord], local
     said = said if isinstance(said, dict) else {}
     why = mismatch(identity, JobIdentity.from_wire(said.get("identity")))
     if why is not None:
-        pid = _peer(conn)[0]
+        pid = peer_cred(conn)[0]
         conn.close()
         raise _another_job(rank, f"the process (pid {pid}) that reached this host's private check", why, identity)
     raw = said.get("record")
@@ -274,7 +268,7 @@ def _join(sock: str, mine: HostRecord, records: Sequence[HostRecord], local: Seq
     records it sends back."""
     rank, lead = mine.rank, local[0]
     with _connect(rank, lead, sock, deadline) as conn:
-        pid, uid = _peer(conn)
+        pid, uid = peer_cred(conn)
         if uid != os.geteuid():
             raise _fail(rank, f"the socket the store names for rank {lead}'s private check belongs to pid {pid} "
                         f"of uid {uid}, another user")

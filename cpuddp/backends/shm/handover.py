@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from cpuddp.errors import BackendError
-from cpuddp.launchers.identity import JobIdentity, PeerProcess, mismatch, peer_process
+from cpuddp.launchers.identity import JobIdentity, PeerProcess, mismatch, peer_cred, peer_process
 from cpuddp.launchers.proof import connect_waiting
 from cpuddp.launchers.store_values import stall_cause
 from cpuddp.topology.here import pid_alive
@@ -76,11 +76,6 @@ _BUSY_FIX = ("another user's processes connect to this job's shared-memory hand-
              "on the host): stop them (their uid is named; ask the node's administrator), or run the job's ranks "
              "in a network namespace of their own (a container), where nobody else can reach the socket; see "
              "docs/security.md")
-
-
-def _peer_cred(conn: socket.socket) -> Tuple[int, int]:
-    pid, uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[:2]
-    return pid, uid
 
 
 # --------------------------------------------------------------------------- local rank 0
@@ -155,7 +150,7 @@ class _Server:
                 sock, _ = self.srv.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 return
-            pid, uid = _peer_cred(sock)
+            pid, uid = peer_cred(sock)
             if uid != os.geteuid():
                 if not self.refused[uid]:
                     log.warning("cpuddp.shm: refused a connection to the hand-over socket: the process %s (more "
