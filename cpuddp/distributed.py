@@ -235,9 +235,21 @@ def _log_ready(current: Session) -> None:
     env = current.env
     if env.is_main:
         log.info(
-            "cpuddp: rank %d of %d ready (launcher %s, backend %s, %d node(s), rendezvous %s:%d)",
-            env.rank, env.world_size, env.launcher, current.backend, env.num_nodes, env.master_addr, env.master_port,
+            "cpuddp: rank %d of %d ready (launcher %s, backend %s%s, %d node(s), rendezvous %s:%d)",
+            env.rank, env.world_size, env.launcher, current.backend, _data_path(), env.num_nodes, env.master_addr,
+            env.master_port,
         )
+
+
+def _data_path() -> str:
+    """``" (native data path, avx512)"``: which data path the shm group's node runs, and why; or ""."""
+    import torch.distributed as dist
+
+    try:
+        path = getattr(dist.distributed_c10d._get_default_group(), "data_path", "")
+    except (RuntimeError, ValueError, AttributeError):
+        return ""
+    return f" ({path})" if path else ""
 
 
 def _check_torch() -> None:

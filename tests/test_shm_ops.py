@@ -1,7 +1,8 @@
 """The shm engine's one-op reductions over every rank's slot (``ops.rows_reducer``), in one
 process: the same result whatever the thread count and wherever the output lives (so a call
-gives the same bits run to run), rank order where torch's kernel keeps it, and the old
-rank-order loop where the numerics must not change (float16/bfloat16 sums, the bitwise ops)."""
+gives the same bits run to run), rank order everywhere: torch's one op where its kernel keeps
+that order, a rank-order loop where it would not (floating-point sums, float16/bfloat16, the
+bitwise ops) -- the native data path's order (tests/test_shm_native.py)."""
 
 from __future__ import annotations
 
@@ -52,16 +53,17 @@ def test_same_bits_for_every_thread_count_and_output_place(fn, dtype):
 
 
 @pytest.mark.parametrize("n", [3, 4, 8, 16])
-def test_rank_order_where_the_kernel_keeps_it_and_the_loop_where_numerics_must_not_change(n):
+def test_every_reduction_runs_in_rank_order(n):
     exact = [(torch.mul, d) for d in DTYPES] + [(torch.minimum, d) for d in DTYPES]
-    exact += [(torch.maximum, d) for d in DTYPES] + [(torch.add, d) for d in DTYPES if d != torch.float32]
+    exact += [(torch.maximum, d) for d in DTYPES] + [(torch.add, d) for d in DTYPES]
     exact += [(torch.bitwise_xor, torch.int32), (torch.bitwise_and, torch.uint8), (torch.bitwise_or, torch.bool)]
     for fn, dtype in exact:
         rows = _rows(n, 5001, dtype, seed=n)
         out = torch.empty(5001, dtype=dtype)
         rows_reducer(fn, dtype)(rows, out)
         assert torch.equal(out, _loop(rows, fn)), (fn.__name__, dtype, n)
-    rows = _rows(n, 5001, torch.float32, seed=n)  # float32 sums: torch's order, within rounding
-    out = torch.empty(5001)
-    rows_reducer(torch.add, torch.float32)(rows, out)
-    assert torch.allclose(out, _loop(rows, torch.add), rtol=1e-5, atol=1e-5)
+    for dtype in (torch.float32, torch.float64):  # rows of every magnitude: any other order rounds otherwise
+        rows = _rows(n, 5001, dtype, seed=n) * torch.logspace(-6, 6, n, dtype=dtype)[:, None]
+        out = torch.empty(5001, dtype=dtype)
+        rows_reducer(torch.add, dtype)(rows, out)
+        assert torch.equal(out, _loop(rows, torch.add)), (dtype, n)

@@ -3,7 +3,10 @@
 * Op counts: each rank counts the aten ops (a ``TorchDispatchMode``) of small calls --
   all_reduce, reduce_scatter, all_gather, broadcast, barrier -- on 2, 4 and 8 real ranks
   (4 and 8 oversubscribe this machine's CPUs: structure, not speed).  8 ranks may need at most
-  twice the ops of 2: the engine moves all slots in one op where it once ran one per peer.
+  twice the ops of 2: the engine moves all slots in one op where it once ran one per peer --
+  save one op per extra rank for a floating-point sum on the Python path (all_reduce,
+  reduce_scatter), which adds in rank order, one row at a time, so that its bits are the native
+  path's (cpuddp.backends.shm.ops).  On the native path a call runs no aten op at all.
 * Correctness on 3, 4 and 8 ranks: every reduce op and dtype the engine takes, results
   bit-identical on every rank and equal to a reference computed in one process, for sizes
   that take one round, several rounds and uneven parts.
@@ -69,8 +72,10 @@ def test_eight_ranks_need_at_most_twice_the_ops_of_two():
     four, _ = _op_counts(4)
     eight, detail = _op_counts(8)
     print("ops per call at 2/4/8 ranks:", {k: (two[k], four[k], eight[k]) for k in CALLS})
+    rank_order = {"all_reduce": 8 - 2, "reduce_scatter": 8 - 2}  # float sums: one op per extra rank
     worse = [f"{name}: {eight[name]} aten ops at 8 ranks against {two[name]} at 2 (4 ranks: {four[name]}); "
-             f"8 ranks ran {detail[name][1]}" for name in CALLS if eight[name] > 2 * max(two[name], 1)]
+             f"8 ranks ran {detail[name][1]}" for name in CALLS
+             if eight[name] > 2 * max(two[name], 1) + rank_order.get(name, 0)]
     assert not worse, "\n".join(worse)
 
 

@@ -82,6 +82,9 @@ def _backends(env: Any, probe_torch: bool) -> dict[str, Any]:
         else:
             items.append(_plain(backends.backend_status(name)))
     out: dict[str, Any] = {"available": True, "backends": items, "torch_probed": not light}
+    from cpuddp.backends.shm import native  # ctypes only: no torch
+
+    out["shm_data_path"] = native.status()[1]
     if env is not None:
         from cpuddp.topology.here import allowed_cpus
 

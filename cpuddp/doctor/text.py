@@ -115,6 +115,8 @@ def _backends(report: Mapping[str, Any], add: Callable[[str], None]) -> None:
             from cpuddp.backends.auto import RULE
 
             add(f"  auto's rule: {RULE}")
+        if b.get("shm_data_path"):
+            add(f"  shm data path: {b['shm_data_path']}")
 
 
 def _cpu(report: Mapping[str, Any], add: Callable[[str], None]) -> None:

@@ -140,6 +140,11 @@ class PeerProcess:
     def __init__(self, pid: int, uid: int, pidfd: Optional[int]) -> None:
         self.pid, self.uid, self._pidfd = pid, uid, pidfd
 
+    @property
+    def pidfd(self) -> Optional[int]:
+        """The kernel's handle of the process (None where the kernel has no SO_PEERPIDFD)."""
+        return self._pidfd
+
     def alive(self) -> bool:
         """False once the process has exited (its pidfd turns readable); by pid where no pidfd."""
         if self._pidfd is None:

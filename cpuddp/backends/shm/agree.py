@@ -175,10 +175,11 @@ class Ring:
         at = seg.ring_at[seq % shm_check.RING]
         mine = bytes(seg.mm[at + self.me * self._entry:at + (self.me + 1) * self._entry])
         if seg.mm[at:at + size * self._entry] != mine * size:
-            self._mismatch(seq, call, rank_of)
+            self.mismatch(seq, call, rank_of)
         seg.checked[self.me] = seq
 
-    def _mismatch(self, seq: int, call: Call, rank_of: Sequence[int]) -> None:
+    def mismatch(self, seq: int, call: Call, rank_of: Sequence[int]) -> None:
+        """Raise the :class:`CallMismatch` naming the first local peer whose call ``seq`` differs."""
         mine = call.words()
         for i in range(self._seg.size):
             entry = self._seg.rings[i][seq % shm_check.RING]

@@ -34,6 +34,9 @@ class Collectives:
 
     _eng: Any
     _hier: Any
+    _direct: Any  # its direct route (cpuddp.backends.shm.native.direct), or None
+    _native: Any  # the native data path (cpuddp.backends.shm.native.Engine) of a one-level node, or None
+    _run_native: Callable[..., Any]
     _world: Any
     _run: Callable[..., Any]
     rank: Callable[[], int]
@@ -44,6 +47,11 @@ class Collectives:
     # ------------------------------------------------------------------ all_reduce, reduce
 
     def allreduce(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        direct = self._direct
+        if direct is not None and not args and not kw:
+            work = direct.all_reduce(tensors, opts)
+            if work is not None:
+                return work
         tensors, code = forms.one_tensor(tensors, "all_reduce"), forms.reduce_op(opts, args, kw)
         if self._eng is None:
             return self._world.allreduce(tensors, forms.options(dist.AllreduceOptions, reduceOp=code))
@@ -55,6 +63,17 @@ class Collectives:
                              tensors, op=code)
         check_tensors(tensors, "all_reduce")
         fn = reducer(code, t.dtype)
+        nat = self._native
+        if nat is not None and nat.reduces(code, t.dtype):
+            size = self.size()
+
+            def native(call: Any) -> None:
+                with staged(t, out=True) as flat:
+                    nat.all_reduce(call, flat, code)
+                    if code == AVG:
+                        flat.div_(size)
+
+            return self._run_native("all_reduce", [t], native, tensors, op=code)
 
         def body() -> None:
             with staged(t, out=True) as flat:
@@ -98,6 +117,17 @@ class Collectives:
         check_tensors(tensors, "reduce")
         fn = reducer(code, t.dtype)
         self._check_root(root)
+        nat = self._native
+        if nat is not None and nat.reduces(code, t.dtype):
+            mine, local = self.rank() == root, self._local(root)
+
+            def native(call: Any) -> None:
+                with staged(t, out=mine) as flat:
+                    nat.reduce(call, flat, local, code)
+                    if code == AVG and mine:
+                        flat.div_(self.size())
+
+            return self._run_native("reduce", [t], native, tensors, op=code, root=root)
 
         def body() -> None:
             with staged(t, out=self.rank() == root) as flat:
@@ -123,6 +153,15 @@ class Collectives:
         t = tensors[0]
         check_tensors(tensors, "broadcast")
         self._check_root(root)
+        nat = self._native
+        if nat is not None:
+            local = self._local(root)
+
+            def native(call: Any) -> None:
+                with staged(t, out=self.rank() != root) as flat:
+                    nat.broadcast(call, flat_bytes(flat), local)
+
+            return self._run_native("broadcast", [t], native, tensors, root=root)
 
         def body() -> None:
             with staged(t, out=self.rank() != root) as flat:
@@ -166,9 +205,23 @@ class Collectives:
             return self._world._allgather_base(output, input)
         check_tensors([output, input], "all_gather_single")
         forms.whole_of(output, input, self.size(), self.rank(), "all_gather_single")
+        nat = self._native
+        if nat is not None:
+            return self._run_native("all_gather_single", [input], lambda call: self._native_gather(call, output, input),
+                                    output)
         return self._run("all_gather_single", [input], lambda: self._all_gather_single(output, input), output)
 
     _allgather_base = all_gather_single
+
+    def _native_gather(self, call: Any, output: torch.Tensor, inp: torch.Tensor) -> None:
+        """all_gather_single on the native path: the input is this rank's row of the output or
+        apart from it (any other overlap goes through a copy of its own)."""
+        with staged(output, out=True) as flat, staged(inp, out=False) as staged_in:
+            out, fin = flat_bytes(flat), flat_bytes(staged_in)
+            own = out.data_ptr() + self.rank() * fin.numel()
+            if fin.numel() and fin.data_ptr() != own and forms.overlaps(out, fin):
+                fin = fin.clone()
+            self._native.all_gather(call, out, fin)
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
         outputs, inputs = list(outputs), list(inputs)
@@ -254,10 +307,26 @@ class Collectives:
         check_tensors([output, input], "reduce_scatter_single")
         forms.whole_of(input, output, self.size(), self.rank(), "reduce_scatter_single")
         fn = reducer(code, output.dtype)
+        nat = self._native
+        if nat is not None and nat.reduces(code, output.dtype):
+            return self._run_native("reduce_scatter_single", [output],
+                                    lambda call: self._native_scatter(call, output, input, code), output, op=code)
         return self._run("reduce_scatter_single", [output],
                          lambda: self._reduce_scatter_single(output, input, code, fn), output, op=code)
 
     _reduce_scatter_base = reduce_scatter_single
+
+    def _native_scatter(self, call: Any, output: torch.Tensor, inp: torch.Tensor, code: Any) -> None:
+        """reduce_scatter_single on the native path: an output that overlaps the input gets a
+        result of its own first."""
+        with staged(inp, out=False) as fin, staged(output, out=True) as flat:
+            aside = forms.overlaps(flat, fin)
+            dst = torch.empty_like(flat) if aside else flat
+            self._native.reduce_scatter(call, dst, fin, code)
+            if code == AVG:
+                dst.div_(self.size())
+            if aside:
+                flat.copy_(dst)
 
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any,
                                         **kw: Any) -> Any:
@@ -386,4 +455,12 @@ class Collectives:
     def barrier(self, *args: Any, **kw: Any) -> Any:
         if self._eng is None:
             return self._world.barrier()
+        direct = self._direct
+        if direct is not None:
+            work = direct.barrier()
+            if work is not None:
+                return work
+        nat = self._native
+        if nat is not None:
+            return self._run_native("barrier", [], nat.barrier, None)
         return self._run("barrier", [], (self._hier or self._eng).barrier, None)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from cpuddp.errors import GroupShutDownError
 
 from .agree import Call, Ring, describe
+from .native import Counters
 from .segment import C_CHECKED, C_STATE, STATE_LEFT, W_ABORT, Segment
 from .wait import Waiter
 
@@ -106,10 +107,33 @@ class Channel:
         self.seg, self.local, self.rank, self.waiter, self.life = seg, tuple(local), rank, waiter, life
         self.me, self.n = seg.local_rank, seg.size
         self.ring = Ring(seg)
-        self.epoch = 0  # the last round this rank arrived at
-        self.seq = 0  # the last call this rank posted
-        self.calls = 0
+        #: the counters this rank's calls advance, shared with the native data path (one home:
+        #: a group runs some calls there and others here)
+        self.state = Counters()
         self._unchecked: Optional[Tuple[int, Call]] = None
+
+    @property
+    def epoch(self) -> int:
+        """The last round this rank arrived at."""
+        return self.state.epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self.state.epoch = value
+
+    @property
+    def seq(self) -> int:
+        """The last call this rank posted."""
+        return self.state.seq
+
+    @seq.setter
+    def seq(self, value: int) -> None:
+        self.state.seq = value
+
+    @property
+    def calls(self) -> int:
+        """Collectives agreed so far (either path)."""
+        return self.state.calls
 
     # ------------------------------------------------------------------ the two calls
 
@@ -124,7 +148,7 @@ class Channel:
                               f"call #{seq - 16} to be checked", self._poll)
         self.ring.post(seq, call)
         self._unchecked = (seq, call)
-        self.calls += 1
+        self.state.calls += 1
 
     def round(self, e: int) -> None:
         """Announce arrival at round ``e``; return once every local peer has arrived there (and

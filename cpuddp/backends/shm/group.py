@@ -61,7 +61,7 @@ from cpuddp.launchers import identity
 
 from . import api
 from . import check as shm_check
-from . import forms
+from . import forms, native
 from .agree import encode
 from .calls import Collectives
 from .channel import Channel, Lifecycle
@@ -69,6 +69,7 @@ from .cross import Hierarchy, SumThenDivide, cross_group
 from .handover import map_segment
 from .levels import setup_levels
 from .local import LocalEngine
+from .native.direct import Direct
 from .node import GroupName, NodePlan, check_local_size, group_name, parse_who, pin_hosts, plan_node, whoami
 from .ops import check_tensors
 from .p2p import PeerLinks
@@ -127,6 +128,10 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._life = Lifecycle()
         self._pid = os.getpid()
         self._eng: Optional[LocalEngine] = None
+        self._native: Optional[native.Engine] = None
+        self._direct: Optional[Direct] = None
+        #: which data path the node's collectives take, and why (the log and the job's header)
+        self.data_path = ""
         self._hier: Optional[Hierarchy] = None
         self._links: Optional[PeerLinks] = None
         self._world: Any = None  # gloo over every rank: across nodes only (all_to_all, send/recv)
@@ -135,6 +140,9 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._life.live()
         threaded = self._eng is not None and async_setting(self._options.async_comm)
         self._stream = Stream(rank, threaded, self._on_error, self._thread_setup)
+        #: the direct route of all_reduce and barrier (native groups without a communication thread)
+        self._direct = (Direct(self._native, self._life, self._eng.ch.seg, self._stream.exec_lock, self._on_error)  # type: ignore[union-attr]
+                        if self._native is not None and self._stream.inline else None)
         api.track(self)
         if rank == 0:
             log.info("cpuddp.shm: group of %d: %s", size, self.reason)
@@ -166,8 +174,14 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._eng = LocalEngine(Channel(seg, plan.local, rank, waiter, self._life))
         self._links = PeerLinks({plan.local[j]: s for j, s in socks.items()}, rank)
         numa = setup_levels(self._eng, self._options.cpus or plan.local_cpus[plan.local_rank])
+        engine, path = native.form(self._eng.ch, peers, seconds)
+        if plan.nodes == 1 and self._eng.levels is None:  # the two-level and node-to-node plans run in Python
+            self._native = engine
+        elif engine is not None:
+            path = "Python data path: the native one runs one-level, single-node groups"
+        self.data_path = path
         if plan.nodes == 1:
-            return f"shared memory among {plan.local_size} ranks" + (f" ({numa})" if numa else "")
+            return f"shared memory among {plan.local_size} ranks ({', '.join(filter(None, (numa, path)))})"
         cross = cross_group(dist.PrefixStore(f"cross/{plan.local_rank}", store), plan, timeout, self._options.inter)
         self._hier = Hierarchy(self._eng, plan, cross)
         self._world = SumThenDivide(dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout), size)
@@ -212,6 +226,15 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             ch.settle()  # a call with no round (nothing to move) is compared here
 
         return self._stream.run(run, result, lambda: sum(t.numel() * t.element_size() for t in agreed))
+
+    def _run_native(self, kind: str, agreed: Sequence[torch.Tensor], run: Callable[[Any], None], result: Any, *,
+                    op: Any = None, root: Optional[int] = None) -> Any:
+        """``run(call)``: one call of the native data path, which posts, moves and compares
+        itself -- in this thread or the group's, in issue order, like :meth:`_run`."""
+        self._usable()
+        self._life.check_not_broken()
+        call = encode(kind, agreed, op=None if op is None else int(op), root=root)
+        return self._stream.run(lambda: run(call), result, lambda: sum(t.numel() * t.element_size() for t in agreed))
 
     def _on_error(self, exc: BaseException) -> None:
         if self._eng is not None:

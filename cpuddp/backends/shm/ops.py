@@ -6,10 +6,13 @@ the pair and the fix.  :func:`rows_reducer` turns it into one op over every rank
 (``[ranks, n]`` to ``[n]``: ``torch.sum``, ``prod``, ``amin``, ``amax`` over dim 0), so a
 call's work does not grow with the rank count.  Each element is reduced by one rank only, so
 the result is the same on every rank; the kernel's order is fixed by the sizes, not by the
-thread count (tests/test_shm_ops.py), so it is the same run to run.  Two exceptions keep a
-rank-order loop of the elementwise function: the bitwise ops (torch has no reduction for them)
-and SUM/AVG of float16/bfloat16, which round to the dtype after every addition as they always
-have (``torch.sum`` would accumulate in float32: other numerics).  Whether torch has a kernel for a (function, dtype) pair is asked of
+thread count (tests/test_shm_ops.py), so it is the same run to run.  Where that one op would
+not add in rank order, a rank-order loop of the elementwise function runs instead: the bitwise
+ops (torch has no reduction for them), every floating-point SUM/AVG (``torch.sum`` sums 5 or
+more rows pairwise, not in order) and every float16/bfloat16 op (``torch.sum``/``prod`` would
+accumulate in float32 and round once), so each step rounds to the dtype.  That order --
+``((row0 op row1) op row2) ...`` -- is the native data path's too
+(:mod:`cpuddp.backends.shm.native`): both give the same bits.  Whether torch has a kernel for a (function, dtype) pair is asked of
 torch itself, once per pair, so the table holds on every torch version.
 
 :func:`staged` / :func:`flat_bytes`: the collectives work on contiguous 1-D tensors.  A tensor
@@ -85,7 +88,7 @@ def reducer(code: Any, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
 
 _ROWS: Dict[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] = {
     torch.add: torch.sum, torch.mul: torch.prod, torch.minimum: torch.amin, torch.maximum: torch.amax}
-_LOOPED_SUMS = (torch.float16, torch.bfloat16)
+_HALVES = (torch.float16, torch.bfloat16)
 _rows_work: Dict[Tuple[Any, torch.dtype], bool] = {}
 
 
@@ -94,20 +97,28 @@ def rows_reducer(fn: Callable[..., torch.Tensor], dtype: torch.dtype) -> Callabl
     strides) -- one op where torch has the reduction (see the module docstring), else a loop in
     row order.  ``out`` must not overlap ``rows``."""
     whole = _ROWS.get(fn)
-    if whole is None or (fn is torch.add and dtype in _LOOPED_SUMS) or not _rows_kernel(whole, dtype):
+    if whole is None or _in_rank_order(fn, dtype) or not _rows_kernel(whole, dtype):
         return lambda rows, out: _loop(rows, out, fn)
     if whole in (torch.amin, torch.amax):
         return lambda rows, out: whole(rows, 0, out=out)
     return lambda rows, out: whole(rows, 0, dtype=dtype, out=out)
 
 
+def _in_rank_order(fn: Callable[..., torch.Tensor], dtype: torch.dtype) -> bool:
+    """Must ``fn`` over ``dtype`` run as a rank-order loop (see the module docstring)?"""
+    if dtype in _HALVES:
+        return fn in (torch.add, torch.mul)
+    return fn is torch.add and (dtype.is_floating_point or dtype.is_complex)
+
+
 def _loop(rows: torch.Tensor, out: torch.Tensor, fn: Callable[..., torch.Tensor]) -> None:
     if rows.shape[0] == 1:
         out.copy_(rows[0])
         return
-    fn(rows[0], rows[1], out=out)
-    for r in range(2, rows.shape[0]):
-        fn(out, rows[r], out=out)
+    each = rows.unbind(0)  # every row's view in one op
+    fn(each[0], each[1], out=out)
+    for row in each[2:]:
+        fn(out, row, out=out)
 
 
 def _rows_kernel(whole: Callable[..., torch.Tensor], dtype: torch.dtype) -> bool:

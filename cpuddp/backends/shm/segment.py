@@ -55,7 +55,10 @@ MAGIC = 0x6370756464707368  # "cpuddpsh"
 # int64 words of the header page
 W_MAGIC, W_SIZE, W_SLOT, W_TOKEN, W_ABORT, W_RING = 0, 1, 2, 3, 4, 5
 # int64 words of each rank's control line
-C_EPOCH, C_POSTED, C_CHECKED, C_STATE, C_NUMA = 0, 1, 2, 3, 4
+C_EPOCH, C_POSTED, C_CHECKED, C_STATE, C_NUMA, C_NATIVE = 0, 1, 2, 3, 4, 5
+#: header bytes of the native engine's futex (engine.c: BELL_AT, SLEEPERS_AT): the bell it rings
+#: after raising a counter, and how many of its waiters sleep on it
+BELL_AT, SLEEPERS_AT = 128, 192
 #: bytes of each control line after its words: why the rank has no NUMA node (utf-8, NUL-padded)
 NOTE_AT, NOTE_BYTES = 48, 80
 STATE_LIVE, STATE_LEFT = 0, 1
@@ -85,8 +88,8 @@ class Segment:
         for at, length in [(0, slots), *self.own_slots(local_rank)]:  # allocated: map them ahead
             _populate(self.mm, at, length)
         self.words = (ctypes.c_int64 * 8).from_buffer(self.mm, 0)
-        self._counters = counters
-        self.lines = [(ctypes.c_int64 * 5).from_buffer(self.mm, counters + i * shm_check.COUNTER_STRIDE)
+        self.counters_at = counters
+        self.lines = [(ctypes.c_int64 * 6).from_buffer(self.mm, counters + i * shm_check.COUNTER_STRIDE)
                       for i in range(local_size)]
         # descriptor rings, entry-major: entry i of every rank side by side, so one comparison
         # of those bytes agrees a call (cpuddp.backends.shm.agree)
@@ -165,7 +168,7 @@ class Segment:
 
     def note(self, local_rank: int) -> memoryview:
         """Local rank ``local_rank``'s note: the bytes of its control line after the words."""
-        at = self._counters + local_rank * shm_check.COUNTER_STRIDE + NOTE_AT
+        at = self.counters_at + local_rank * shm_check.COUNTER_STRIDE + NOTE_AT
         return memoryview(self.mm)[at:at + NOTE_BYTES]
 
     def late(self, words: memoryview, value: int) -> List[int]:

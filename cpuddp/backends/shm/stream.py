@@ -165,6 +165,16 @@ class Stream:
                                             daemon=True)
             self._thread.start()
 
+    @property
+    def inline(self) -> bool:
+        """Does every collective run in the caller's thread (no communication thread)?"""
+        return self._thread is None
+
+    @property
+    def exec_lock(self) -> Any:
+        """Held while a collective runs (one at a time, in issue order)."""
+        return self._exec
+
     def run(self, fn: Callable[[], None], result: Any, nbytes: Callable[[], int]) -> ShmWork:
         """Run ``fn`` (one collective) and return its Work; ``nbytes()``: the bytes it moves
         (asked only with the communication thread on)."""

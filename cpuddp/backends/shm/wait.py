@@ -102,10 +102,13 @@ class Waiter:
                 poll()
                 self.check_peers(late(), what)
                 if now > deadline:
-                    raise dist.DistBackendError(
-                        f"shm: rank {self.rank} timed out after {self.timeout:g} s waiting for local rank(s) "
-                        f"{late()} in {what} (the group timeout; a peer is stuck or not calling the same "
-                        "collective)")
+                    raise self.timed_out(late(), what)
+
+    def timed_out(self, late: List[int], what: str) -> Exception:
+        """The error of a wait for local ranks ``late`` in ``what`` that ran out of time."""
+        return dist.DistBackendError(
+            f"shm: rank {self.rank} timed out after {self.timeout:g} s waiting for local rank(s) {late} in {what} "
+            "(the group timeout; a peer is stuck or not calling the same collective)")
 
     def check_peers(self, late: List[int], what: str) -> None:
         lines = self.seg.lines

@@ -1,0 +1,396 @@
+"""The shm engine's native data path: the binding of ``engine.c`` (ctypes), and the choice of path.
+
+One node-local collective is one call into the library (``engine.c`` says what it does and how
+it orders memory); ctypes releases the GIL for it.  This module:
+
+* **loads** the library from this package's own directory only (:data:`~.build.LIB_NAME`, built
+  by ``pip install`` when a C compiler is there -- ``setup.py`` -- or by ``python -m
+  cpuddp.backends.shm.native.build``), and only when it is this user's or root's and nobody
+  else can write it or its directory, its ABI and source digest are this package's, and it passes a
+  self-test at every vector width the CPU has (:func:`load`).  Anything else: the Python engine
+  runs, and :func:`status` says why (``cpuddp doctor``'s ``shm data path`` line; the group's
+  reason in the log).
+* **settings**: ``CPUDDP_SHM_NATIVE`` -- ``0`` forces the Python engine, ``1`` requires the
+  native one (an error where it cannot load), unset or ``auto`` uses it where it loads;
+  ``CPUDDP_SHM_ISA`` -- ``scalar``, ``avx2`` or ``avx512`` (a width the CPU has; default the
+  widest), so tests compare every width.
+* **agrees** the path when a group forms (:func:`form`): every local rank writes what it has
+  into its control line, one round, and the node runs native only if every rank has the same
+  library; otherwise every rank runs Python (and the reason is logged).
+* **guards** every call (:class:`Engine`): only contiguous CPU tensors of a dtype and op the
+  library reduces reach it (the callers stage the rest, :mod:`cpuddp.backends.shm.calls`); every
+  pointer and length it gets is a tensor's own; inputs that overlap outputs in any way but the
+  one each collective allows stay on the Python path.  An error code becomes the same error the
+  Python engine raises (a mismatch naming both calls, a dead or departed peer, a rank that gave
+  up, the timeout).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+
+
+__all__ = ["Counters", "VAR", "ISA_VAR", "ISAS", "setting", "isa_setting", "load", "status", "form", "Engine",
+           "DTYPES", "Unavailable"]
+
+VAR = "CPUDDP_SHM_NATIVE"
+ISA_VAR = "CPUDDP_SHM_ISA"
+#: vector widths, by engine.c's codes
+ISAS = ("scalar", "avx2", "avx512")
+ABI = 1
+#: engine.c's results
+RC_OK, RC_AGAIN, RC_MISMATCH, RC_DEAD, RC_LEFT, RC_ABORT, RC_TIMEOUT, RC_ARG = range(8)
+#: where a failed wait was
+W_POST, W_SETTLE, W_ROUND = 1, 2, 3
+#: engine.c's collectives
+K_ALL_REDUCE, K_BROADCAST, K_BARRIER, K_ALL_GATHER, K_REDUCE_SCATTER, K_REDUCE = range(1, 7)
+#: the agreement's dtype codes (cpuddp.backends.shm.agree) the library moves and reduces
+DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64")
+#: control-line word of each rank's library (0: none) -- cpuddp.backends.shm.segment's C_NATIVE
+_OFF = ("0", "false", "no", "off")
+_ON = ("1", "true", "yes", "on")
+
+
+class Unavailable(Exception):
+    """The native library cannot be used here; the message says why."""
+
+
+class Counters(ctypes.Structure):
+    """A channel's counters, shared by the Python engine and ``engine.c`` (its ``state_t``)."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in
+                ("seq", "epoch", "calls", "unchecked", "err_peer", "err_where", "err_value")]
+
+
+def setting(environ: Mapping[str, str] = os.environ) -> Optional[bool]:
+    """``CPUDDP_SHM_NATIVE``: False (``0``), True (``1``: required) or None (unset/``auto``)."""
+    raw = (environ.get(VAR) or "").strip().lower()
+    if raw in ("", "auto"):
+        return None
+    if raw in _OFF:
+        return False
+    if raw in _ON:
+        return True
+    from cpuddp.errors import BackendError
+
+    raise BackendError(f"{VAR}={environ.get(VAR)!r} is neither 0, 1 nor auto",
+                       fix=f"set {VAR}=0 (the Python engine), {VAR}=1 (require the native one) or auto, or unset it")
+
+
+class _Lib:
+    """The loaded library with its functions' signatures."""
+
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        sigs = {
+            "cpuddp_shm_abi": (i32, []),
+            "cpuddp_shm_digest": (ctypes.c_char_p, []),
+            "cpuddp_shm_isa_supported": (i32, [i32]),
+            "cpuddp_shm_best_isa": (i32, []),
+            "cpuddp_shm_reduces": (i32, [i32, i32]),
+            "cpuddp_shm_ctx_size": (i64, []),
+            "cpuddp_shm_init": (i32, [vp, vp, vp, i64, i64, i64, i64, i64, i32, i32, i32, vp, i32, i32, i64]),
+            "cpuddp_shm_entry_size": (i64, []),
+            "cpuddp_shm_call": (i32, [vp, vp, vp, vp]),
+            "cpuddp_shm_resume": (i32, [vp]),
+            "cpuddp_shm_drop": (None, [vp]),
+            "cpuddp_shm_reduce_rows": (i32, [i32, i32, i32, vp, vp, i32, i64]),
+        }
+        for name, (res, args) in sigs.items():
+            fn = getattr(lib, name)
+            fn.restype, fn.argtypes = res, args
+            setattr(self, name[len("cpuddp_shm_"):], fn)
+        self.path = path
+
+
+def _trusted(path: str) -> Optional[str]:
+    """Why ``path`` (and its directory) may not be loaded, or None: a regular file of this uid
+    or root that no one else can write, in a directory no one else can write."""
+    me = os.geteuid()
+    for p, what in ((path, "the library"), (os.path.dirname(path), "its directory")):
+        st = os.lstat(p)
+        if what == "the library" and not stat.S_ISREG(st.st_mode):
+            return f"{what} {p} is not a regular file"
+        if st.st_uid not in (0, me):
+            return f"{what} {p} belongs to uid {st.st_uid}"
+        if st.st_mode & 0o022:
+            return f"{what} {p} is writable by others (mode {oct(st.st_mode & 0o777)})"
+    return None
+
+
+def _self_test(lib: _Lib) -> Optional[str]:
+    """Sum, min and bfloat16 rounding at every width the CPU has, against known answers."""
+    a = (ctypes.c_float * 5)(1.5, -2.0, 3.25, float("nan"), 2.0 ** 100)
+    b = (ctypes.c_float * 5)(0.25, 2.0, -1.0, 1.0, 2.0 ** 100)
+    h = (ctypes.c_uint16 * 2)(0x3F80, 0x3F81)  # bfloat16 1.0 and 1.0078125
+    rows = (ctypes.c_void_p * 2)(ctypes.addressof(a), ctypes.addressof(b))
+    hrows = (ctypes.c_void_p * 2)(ctypes.addressof(h), ctypes.addressof(h))
+    for isa in range(len(ISAS)):
+        if not lib.isa_supported(isa):
+            continue
+        out = (ctypes.c_float * 5)()
+        hout = (ctypes.c_uint16 * 2)()
+        if (lib.reduce_rows(isa, 0, 0, ctypes.addressof(out), rows, 2, 5)
+                or lib.reduce_rows(isa, 0, 3, ctypes.addressof(hout), hrows, 2, 2)):
+            return f"its {ISAS[isa]} kernels refused a valid call"
+        got = list(out)
+        if got[:3] != [1.75, 0.0, 2.25] or got[3] == got[3] or got[4] != 2.0 ** 101:
+            return f"its {ISAS[isa]} float32 sum gave {got}"
+        if list(hout) != [0x4000, 0x4001]:
+            return f"its {ISAS[isa]} bfloat16 sum gave {[hex(v) for v in hout]}"
+    return None
+
+
+_loaded: Optional[Tuple[Optional[_Lib], str]] = None
+
+
+def load() -> _Lib:
+    """The library, loaded and checked once per process; raises :class:`Unavailable` (why) if
+    it cannot be used."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _load()
+    lib, why = _loaded
+    if lib is None:
+        raise Unavailable(why)
+    return lib
+
+
+def _load() -> Tuple[Optional[_Lib], str]:
+    from . import build as _build  # not at import: ``python -m cpuddp.backends.shm.native.build`` runs it
+
+    path = os.path.join(_build.HERE, _build.LIB_NAME)
+    if not os.path.exists(path):
+        return None, ("no native library was built (pip install found no C compiler); build it with "
+                      "'python -m cpuddp.backends.shm.native.build'")
+    why = _trusted(path)
+    if why is not None:
+        return None, f"{why}: not loaded"
+    try:
+        lib = _Lib(path)
+    except (OSError, AttributeError) as exc:
+        return None, f"its library does not load: {exc}"
+    if lib.abi() != ABI:
+        return None, f"its library has ABI {lib.abi()}, this package {ABI}: rebuild it (pip install again)"
+    try:
+        want = _build.digest()
+    except OSError:
+        want = None  # an install without the sources: the ABI check stands
+    got = lib.digest().decode()
+    if want is not None and got != want:
+        return None, ("its library was built from other sources (an older build); rebuild it: pip install again, "
+                      "or 'python -m cpuddp.backends.shm.native.build'")
+    problem = _self_test(lib)
+    if problem is not None:
+        return None, f"its library failed its self-test: {problem}"
+    return lib, ""
+
+
+def isa_setting(lib: _Lib, environ: Mapping[str, str] = os.environ) -> int:
+    """``CPUDDP_SHM_ISA`` as engine.c's code (a width this CPU has), else the widest it has."""
+    raw = (environ.get(ISA_VAR) or "").strip().lower()
+    if raw in ("", "auto"):
+        return int(lib.best_isa())
+    from cpuddp.errors import BackendError
+
+    have = [name for i, name in enumerate(ISAS) if lib.isa_supported(i)]
+    if raw not in ISAS:
+        raise BackendError(f"{ISA_VAR}={environ.get(ISA_VAR)!r} is not a vector width of the shm engine",
+                           fix=f"set {ISA_VAR} to one of {', '.join(have)} (this CPU's), or unset it")
+    if raw not in have:
+        raise BackendError(f"{ISA_VAR}={raw}: this CPU has no {raw} (it has {', '.join(have)})",
+                           fix=f"set {ISA_VAR} to one of {', '.join(have)}, or unset it")
+    return ISAS.index(raw)
+
+
+def status(environ: Mapping[str, str] = os.environ) -> Tuple[bool, str]:
+    """``(native, text)``: the data path a group formed now would take on this rank, and why
+    (``native (avx512)``, ``python (CPUDDP_SHM_NATIVE=0)``, ...)."""
+    try:
+        wanted = setting(environ)
+    except Exception as exc:  # noqa: BLE001 - shown, not raised (cpuddp doctor)
+        return False, f"python ({exc})"
+    if wanted is False:
+        return False, f"python ({VAR}={environ.get(VAR)})"
+    try:
+        lib = load()
+        isa = isa_setting(lib, environ)
+    except Unavailable as exc:
+        return False, f"python ({exc})"
+    except Exception as exc:  # noqa: BLE001
+        return False, f"python ({exc})"
+    return True, f"native ({ISAS[isa]})"
+
+
+# --------------------------------------------------------------------------- forming
+
+
+def _token(lib: Optional[_Lib]) -> int:
+    """What this rank writes into its control line: its library's digest (as a number), or 0."""
+    return 0 if lib is None else 1 + int(lib.digest().decode() or "0", 16) % (1 << 62)
+
+
+def form(ch: Any, peers: Mapping[int, Any], timeout: float, environ: Mapping[str, str] = os.environ
+         ) -> Tuple[Optional["Engine"], str]:
+    """Agree the node's data path when a group forms: ``(engine or None, what the log says)``.
+    Every local rank writes its library's token into its control line; after one round each
+    reads all of them: native only where every rank has the same library."""
+    from cpuddp.errors import BackendError
+
+    from ..segment import C_NATIVE
+
+    wanted = setting(environ)
+    lib, why = None, f"{VAR}={environ.get(VAR)}"
+    isa = 0
+    if wanted is not False:
+        try:
+            lib = load()
+            isa = isa_setting(lib, environ)
+        except Unavailable as exc:
+            why = str(exc)
+    seg = ch.seg
+    seg.lines[ch.me][C_NATIVE] = _token(lib)
+    ch.round(ch.next_round())
+    tokens = [seg.lines[i][C_NATIVE] for i in range(ch.n)]
+    if lib is not None and len(set(tokens)) == 1:
+        return Engine(lib, ch, peers, timeout, isa), f"native data path, {ISAS[isa]}"
+    if lib is not None:
+        odd = [ch.local[i] for i, t in enumerate(tokens) if t != tokens[ch.me]]
+        why = f"rank(s) {odd} on this node have {'no' if not all(tokens) else 'another'} native library"
+    if wanted:
+        raise BackendError(f"{VAR}=1 requires the shm engine's native data path, and this node cannot run it: {why}",
+                           fix=f"build it (pip install again with a C compiler, or 'python -m "
+                               f"cpuddp.backends.shm.native.build'), or unset {VAR}")
+    return None, f"Python data path: {why}"
+
+
+# --------------------------------------------------------------------------- calls
+
+
+class Engine:
+    """One group's native context over its channel's segment (see the module docstring)."""
+
+    def __init__(self, lib: _Lib, ch: Any, peers: Mapping[int, Any], timeout: float, isa: int) -> None:
+        seg = ch.seg
+        self.lib, self.ch, self.isa = lib, ch, isa
+        self._peers = dict(peers)  # their pidfds stay open while the context names them
+        self.state = ch.state
+        self._ctx = ctypes.create_string_buffer(int(lib.ctx_size()))
+        self.ctx = ctypes.addressof(self._ctx)
+        pidfds = (ctypes.c_int * seg.size)(*[getattr(self._peers.get(i), "pidfd", None) or -1
+                                             for i in range(seg.size)])
+        from .. import check as shm_check
+
+        rc = lib.init(self.ctx, ctypes.addressof(self.state), ctypes.addressof(seg.words), seg.counters_at,
+                      shm_check.ring_offset(seg.size), seg.slots_at, seg.slot, seg.total, seg.size,
+                      seg.local_rank, seg.fd, pidfds, int(ch.waiter.spin), isa, int(timeout * 1e9))
+        if rc:
+            raise Unavailable(f"its context refused this segment ({rc})")
+        self._reduces: Dict[Tuple[Any, Any], bool] = {}
+        self._entries: Dict[Any, Any] = {}
+        self._call = lib.call
+        self._codes: Dict[Any, int] = {}
+
+    # ------------------------------------------------------------------ what it takes
+
+    def dtype_code(self, dtype: Any) -> int:
+        """The library's code of ``dtype`` (one :func:`reduces` accepted)."""
+        code = self._codes.get(dtype)
+        if code is None:
+            code = self._codes[dtype] = DTYPES.index(str(dtype).rsplit(".", 1)[-1])
+        return code
+
+    def reduces(self, code: Any, dtype: Any) -> bool:
+        """Does the library reduce ``dtype`` with ``code`` (a pure fact: the same on every rank)?"""
+        key = (code, dtype)
+        ok = self._reduces.get(key)
+        if ok is None:
+            name = str(dtype).rsplit(".", 1)[-1]
+            ok = self._reduces[key] = name in DTYPES and bool(self.lib.reduces(int(code), DTYPES.index(name)))
+        return ok
+
+    # ------------------------------------------------------------------ the collectives
+
+    def entry(self, call: Any, kind: int, dtype: int, op: int, root: int, numel: int, m: int) -> Any:
+        """The library's prepared form of ``call`` (engine.c's ``entry_t``), made once per call
+        shape: its descriptor, collective, dtype code (-1: bytes), op, local root and sizes."""
+        e = self._entries.get(call)
+        if e is None:
+            if len(self._entries) >= 4096:
+                self._entries.clear()
+            e = self._entries[call] = (ctypes.c_int64 * 13)(*call.words(), kind, dtype, op, root, numel, m)
+        return e
+
+    def all_reduce(self, call: Any, flat: Any, code: Any) -> None:
+        """``flat``: a contiguous 1-D tensor (in and out); ``code`` an op it reduces (AVG: the caller divides)."""
+        n = flat.numel()
+        e = self.entry(call, K_ALL_REDUCE, self.dtype_code(flat.dtype), int(code), 0, n, n)
+        self.done(self._call(self.ctx, e, flat.data_ptr(), None), call)
+
+    def reduce(self, call: Any, flat: Any, root: int, code: Any) -> None:
+        n = flat.numel()
+        e = self.entry(call, K_REDUCE, self.dtype_code(flat.dtype), int(code), root, n, n)
+        self.done(self._call(self.ctx, e, flat.data_ptr(), None), call)
+
+    def broadcast(self, call: Any, flat: Any, root: int) -> None:
+        """``flat``: contiguous 1-D bytes."""
+        n = flat.numel()
+        self.done(self._call(self.ctx, self.entry(call, K_BROADCAST, -1, 0, root, n, n), flat.data_ptr(), None), call)
+
+    def barrier(self, call: Any) -> None:
+        self.done(self._call(self.ctx, self.entry(call, K_BARRIER, -1, 0, 0, 0, 0), None, None), call)
+
+    def all_gather(self, call: Any, out: Any, inp: Any) -> None:
+        """``out``: contiguous bytes, ``n`` rows of ``inp``'s size; ``inp``: this rank's row of
+        ``out`` or apart from it."""
+        n = inp.numel()
+        e = self.entry(call, K_ALL_GATHER, -1, 0, 0, n, n)
+        self.done(self._call(self.ctx, e, out.data_ptr(), inp.data_ptr()), call)
+
+    def reduce_scatter(self, call: Any, out: Any, inp: Any, code: Any) -> None:
+        """``out``: ``m`` elements; ``inp``: ``n * m`` elements apart from ``out``; both contiguous."""
+        m = out.numel()
+        e = self.entry(call, K_REDUCE_SCATTER, self.dtype_code(out.dtype), int(code), 0, m, m)
+        self.done(self._call(self.ctx, e, out.data_ptr(), inp.data_ptr()), call)
+
+    # ------------------------------------------------------------------ results
+
+    def done(self, rc: int, call: Any) -> None:
+        """Finish a call that returned ``rc``: resume it while it says AGAIN, raise its error."""
+        if rc == RC_OK:
+            return
+        try:
+            while rc == RC_AGAIN:  # back in Python every 50 ms of waiting: signal handlers run here
+                rc = self.lib.resume(self.ctx)
+        except BaseException:
+            self.lib.drop(self.ctx)
+            raise
+        if rc != RC_OK:
+            self._raise(rc, call)
+
+    def _raise(self, rc: int, call: Any) -> None:
+        """The Python engine's error for engine.c's result ``rc``."""
+        import torch.distributed as dist
+
+        from ..agree import describe
+
+        ch, st = self.ch, self.state
+        peer, value = int(st.err_peer), int(st.err_value)
+        what = {W_POST: f"call #{value} to be checked",
+                W_SETTLE: f"collective call #{value} ({describe(call.words())})",
+                W_ROUND: f"a shared-memory round ({value})"}.get(int(st.err_where), "a collective")
+        if rc == RC_MISMATCH:
+            ch.ring.mismatch(value, call, ch.local)
+        elif rc in (RC_DEAD, RC_LEFT):
+            ch.waiter.check_peers([peer], what)
+            raise dist.DistBackendError(f"shm: local rank {peer} {'left' if rc == RC_LEFT else 'died'} while rank "
+                                        f"{ch.rank} waited for it in {what}")
+        elif rc == RC_ABORT:
+            ch.waiter.check_abort()
+        elif rc == RC_TIMEOUT:
+            raise ch.waiter.timed_out([peer], what)
+        raise dist.DistBackendError(f"shm: the native data path refused a call ({rc}) in {what}; this is a bug")

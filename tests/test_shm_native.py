@@ -1,0 +1,419 @@
+"""The shm engine's native data path (cpuddp/backends/shm/native, issue 44).
+
+* the library: built by ``pip install``, loaded only when trusted and current, its kernels the
+  Python engine's bits at every vector width the CPU has (every dtype and op it takes, NaN,
+  infinities, signed zeros, subnormals, lengths around the vector widths);
+* the settings: ``CPUDDP_SHM_NATIVE`` and ``CPUDDP_SHM_ISA`` (bad values name the variable);
+* real ranks: the same bits as the Python path for every collective it runs (2 and 3 ranks,
+  slots small enough for many rounds and the two-round algorithm), the path agreed by every rank
+  of a node, a fuzz of the arguments a user can pass, and a wait that returns to Python
+  (a signal handler runs while a peer is late).
+
+The engine's other tests (tests/test_shm*.py) run on whichever path loads -- the native one
+wherever pip built it -- and CI runs them again with ``CPUDDP_SHM_NATIVE=0`` and with a
+sanitizer build (.ci/native.sh).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cpuddp.backends.shm import native
+from cpuddp.backends.shm.native import build as native_build
+from cpuddp.testing import run_distributed
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _lib():
+    try:
+        return native.load()
+    except native.Unavailable as exc:
+        pytest.skip(f"no native library here: {exc}")
+
+
+# --------------------------------------------------------------------------- the library
+
+
+def test_pip_install_built_the_library_where_a_compiler_is():
+    if native_build.compiler() is None:
+        pytest.skip("no C compiler: pip install builds no library, and the Python engine runs")
+    lib = native.load()  # raises Unavailable (with the reason) if it was not built or is refused
+    assert Path(lib.path).parent == Path(native.__file__).parent
+    ok, text = native.status({})
+    assert ok and text.startswith("native ("), text
+
+
+def test_settings_name_the_variable_and_the_fix():
+    from cpuddp.errors import BackendError
+
+    assert native.setting({}) is None and native.setting({"CPUDDP_SHM_NATIVE": "auto"}) is None
+    assert native.setting({"CPUDDP_SHM_NATIVE": "0"}) is False and native.setting({"CPUDDP_SHM_NATIVE": "1"})
+    with pytest.raises(BackendError, match="CPUDDP_SHM_NATIVE='maybe' is neither 0, 1 nor auto"):
+        native.setting({"CPUDDP_SHM_NATIVE": "maybe"})
+    assert native.status({"CPUDDP_SHM_NATIVE": "0"}) == (False, "python (CPUDDP_SHM_NATIVE=0)")
+    lib = _lib()
+    with pytest.raises(BackendError, match="CPUDDP_SHM_ISA='avx9' is not a vector width") as err:
+        native.isa_setting(lib, {"CPUDDP_SHM_ISA": "avx9"})
+    assert "scalar" in err.value.fix
+    missing = [name for i, name in enumerate(native.ISAS) if not lib.isa_supported(i)]
+    if missing:
+        with pytest.raises(BackendError, match=f"this CPU has no {missing[0]}"):
+            native.isa_setting(lib, {"CPUDDP_SHM_ISA": missing[0]})
+    assert native.isa_setting(lib, {"CPUDDP_SHM_ISA": "scalar"}) == 0
+
+
+def test_a_library_others_can_write_or_built_from_other_sources_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "libcpuddp_shm.so"
+    path.write_bytes(b"")
+    os.chmod(tmp_path, 0o755)
+    os.chmod(path, 0o666)
+    assert "writable by others" in native._trusted(str(path))
+    os.chmod(path, 0o644)
+    os.chmod(tmp_path, 0o777)
+    assert "its directory" in native._trusted(str(path))
+    os.chmod(tmp_path, 0o755)
+    assert native._trusted(str(path)) is None
+    _lib()
+    monkeypatch.setattr(native_build, "digest", lambda where=native_build.HERE: "0" * 16)
+    lib, why = native._load()
+    assert lib is None and "built from other sources" in why and "pip install again" in why
+
+
+def test_the_build_is_position_independent_c_with_no_march_and_no_fast_math():
+    flags = " ".join(native_build.FLAGS)
+    assert "-ffp-contract=off" in flags and "-fno-fast-math" in flags and "-march" not in flags
+    import re
+
+    source = (Path(native_build.HERE) / "engine.c").read_text()
+    included = set(re.findall(r'#include [<"]([^>"]+)[>"]', source))
+    assert included <= {"errno.h", "fcntl.h", "limits.h", "linux/futex.h", "poll.h", "pthread.h", "sched.h",
+                        "signal.h", "stdint.h", "stdlib.h", "string.h", "sys/syscall.h", "time.h", "unistd.h",
+                        "kernels.h"}, included
+
+
+# --------------------------------------------------------------------------- kernels, bit for bit
+
+#: torch's op per library op code
+_FNS = {0: "add", 2: "mul", 3: "minimum", 4: "maximum", 5: "bitwise_and", 6: "bitwise_or", 7: "bitwise_xor"}
+
+
+def _values(dtype, n, m, seed):
+    """Rows with the hard cases: NaN, infinities, signed zeros, subnormals, huge and tiny."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        x = torch.randn(n, m, generator=g, dtype=torch.float64) * torch.logspace(-8, 8, n, dtype=torch.float64)[:, None]
+        x = x.to(dtype)
+        special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0,
+                                torch.finfo(dtype).tiny / 4, torch.finfo(dtype).max, -torch.finfo(dtype).max],
+                               dtype=dtype)
+        pick = torch.randint(0, 40, (n, m), generator=g)
+        x = torch.where(pick < len(special), special[pick.clamp(max=len(special) - 1)], x)
+        return x
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, (n, m), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _bits(t):
+    import torch
+
+    widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(widths[t.element_size()])
+
+
+def _same(a, b, signed_zeros: bool = True):
+    """Equal bits; a NaN may differ in payload (torch's own kernels disagree on bfloat16's), and
+    without ``signed_zeros`` a zero's sign (torch.minimum/maximum of 0.0 and -0.0 gives one sign
+    in its vector loop and the other in its tail: either is right)."""
+    import torch
+
+    if a.dtype.is_floating_point and not signed_zeros:
+        a, b = torch.where(a == 0, 0, a), torch.where(b == 0, 0, b)
+    if a.dtype.is_floating_point:
+        nan = torch.isnan(a)
+        return torch.equal(nan, torch.isnan(b)) and torch.equal(_bits(a)[~nan], _bits(b)[~nan])
+    return torch.equal(a, b)
+
+
+@pytest.mark.parametrize("isa", native.ISAS)
+def test_kernels_give_the_python_engines_bits_at_every_width(isa):
+    import torch
+
+    from cpuddp.backends.shm.ops import rows_reducer
+
+    lib = _lib()
+    code = native.ISAS.index(isa)
+    if not lib.isa_supported(code):
+        pytest.skip(f"this CPU has no {isa}")
+    checked = 0
+    for d, name in enumerate(native.DTYPES):
+        dtype = getattr(torch, name)
+        for op, fn_name in _FNS.items():
+            if not lib.reduces(op, d):
+                continue
+            fn = getattr(torch, fn_name)
+            for n in (1, 2, 3, 5, 8, 17):
+                for m in (0, 1, 15, 33, 513, 1000):
+                    rows = _values(dtype, n, m + 3, seed=n * 1000 + m)[:, 3:]  # unaligned rows
+                    want = torch.empty(m, dtype=dtype)
+                    rows_reducer(fn, dtype)(rows, want) if n > 1 else want.copy_(rows[0])
+                    got = torch.empty(m, dtype=dtype)
+                    ptrs = (ctypes.c_void_p * n)(*[rows[i].data_ptr() for i in range(n)])
+                    assert lib.reduce_rows(code, op, d, got.data_ptr(), ptrs, n, m) == 0
+                    assert _same(got, want, signed_zeros=op not in (3, 4)), (isa, name, fn_name, n, m)
+                    checked += 1
+    assert checked > 1000
+
+
+def test_every_16_bit_float_rounds_as_torch_does():
+    import torch
+
+    lib = _lib()
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    for name in ("float16", "bfloat16"):
+        dtype = getattr(torch, name)
+        x = every.view(dtype)
+        y = torch.roll(x, 12345)
+        for op, fn in ((0, torch.add), (2, torch.mul), (3, torch.minimum), (4, torch.maximum)):
+            want = fn(x, y)
+            for code in range(len(native.ISAS)):
+                if lib.isa_supported(code):
+                    got = torch.empty_like(x)
+                    ptrs = (ctypes.c_void_p * 2)(x.data_ptr(), y.data_ptr())
+                    assert lib.reduce_rows(code, op, native.DTYPES.index(name), got.data_ptr(), ptrs, 2, x.numel()) == 0
+                    assert _same(got, want, signed_zeros=op not in (3, 4)), (name, fn.__name__, native.ISAS[code])
+
+
+# --------------------------------------------------------------------------- real ranks
+
+
+def _collectives(seed: int) -> dict:
+    """Every collective the native path runs, over dtypes, ops, sizes and roots; the results."""
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    out = {}
+    ops = {"SUM": dist.ReduceOp.SUM, "AVG": dist.ReduceOp.AVG, "PRODUCT": dist.ReduceOp.PRODUCT,
+           "MIN": dist.ReduceOp.MIN, "MAX": dist.ReduceOp.MAX, "BXOR": dist.ReduceOp.BXOR}
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int8,
+                  torch.int64, torch.uint8):
+        for opname, op in ops.items():
+            if opname == "AVG" and not dtype.is_floating_point or opname == "BXOR" and dtype.is_floating_point:
+                continue
+            for m in (0, 1, 100, 3000, 20000):
+                if dtype.is_floating_point:
+                    t = (torch.randn(m, generator=g) * 10 ** rank).to(dtype)
+                else:
+                    t = torch.randint(-100 if dtype.is_signed else 0, 100, (m,), generator=g).to(dtype)
+                a = t.clone()
+                dist.all_reduce(a, op=op)
+                out[f"ar/{dtype}/{opname}/{m}"] = a
+                b = t.clone()
+                dist.reduce(b, dst=n - 1, op=op)
+                out[f"reduce/{dtype}/{opname}/{m}"] = b
+                if opname != "BXOR":
+                    o = torch.empty(m, dtype=dtype)
+                    dist.reduce_scatter_tensor(o, torch.cat([t] * n) + rank if m else torch.empty(0, dtype=dtype), op=op)
+                    out[f"rs/{dtype}/{opname}/{m}"] = o
+        for root in range(n):
+            t = torch.arange(5000).to(dtype) + rank
+            dist.broadcast(t, root)
+            out[f"bc/{dtype}/{root}"] = t
+        big = torch.empty(n * 777, dtype=dtype)
+        dist.all_gather_into_tensor(big, (torch.arange(777) * (rank + 1)).to(dtype))
+        out[f"ag/{dtype}"] = big
+        inplace = torch.zeros(n * 50, dtype=dtype)
+        inplace[rank * 50:(rank + 1) * 50] = rank + 1
+        dist.all_gather_into_tensor(inplace, inplace[rank * 50:(rank + 1) * 50])
+        out[f"ag-inplace/{dtype}"] = inplace
+    dist.barrier()
+    return out
+
+
+def _path(seed: int) -> tuple:
+    import torch.distributed as dist
+
+    pg = dist.distributed_c10d._get_default_group()
+    return pg.data_path, _collectives(seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_native_path_gives_the_python_paths_bits_for_every_collective(ranks):
+    _lib()
+    # slots small enough for many rounds per call; with 3 ranks, chunks over 32 KiB take the
+    # two-round all_reduce (reduce-scatter, then gather) and shorter ones the one-round
+    env = {"CPUDDP_SHM_SLOT": "4096" if ranks == 2 else "65536"}
+    got = {}
+    for flag in ("1", "0"):
+        res = run_distributed(_path, ranks, args=(7,), backend="shm", timeout=280,
+                              env={**env, "CPUDDP_SHM_NATIVE": flag})
+        paths = {r[0] for r in res}
+        assert len(paths) == 1 and ("native" in next(iter(paths))) == (flag == "1"), paths
+        got[flag] = [r[1] for r in res]
+    for rank in range(ranks):
+        native_out, python_out = got["1"][rank], got["0"][rank]
+        assert native_out.keys() == python_out.keys()
+        wrong = [k for k in native_out if not _same(native_out[k], python_out[k])]
+        assert not wrong, (rank, wrong[:10])
+    for key in got["1"][0]:  # and the same on every rank (reduce: only the root's result is defined)
+        if not key.startswith(("reduce/", "rs/")):
+            assert all(_same(got["1"][0][key], got["1"][r][key]) for r in range(ranks)), key
+
+
+def _mixed() -> tuple:
+    """Rank 0 forms a group with the Python path forced; the others would run native."""
+    import torch
+    import torch.distributed as dist
+
+    os.environ["CPUDDP_SHM_NATIVE"] = "0" if dist.get_rank() == 0 else "auto"
+    group = dist.new_group(backend="shm")
+    t = torch.ones(1000) * (dist.get_rank() + 1)
+    dist.all_reduce(t, group=group)
+    return group.data_path, dist.distributed_c10d._get_default_group().data_path, t[0].item()
+
+
+@pytest.mark.slow
+def test_every_rank_of_a_node_takes_the_same_path_and_the_log_says_why():
+    _lib()
+    res = run_distributed(_mixed, 2, backend="shm", timeout=120)
+    assert res[0][0] != res[1][0]
+    for path, world_path, total in res:
+        assert total == 3.0
+        assert "native" in world_path
+        assert path in ("Python data path: CPUDDP_SHM_NATIVE=0",  # rank 0's own reason; rank 1's names it
+                        "Python data path: rank(s) [0] on this node have no native library"), path
+
+
+def _fuzz(seed: int) -> list:
+    """Arguments a user can pass -- every dtype, empty to several slots, strided, transposed,
+    expanded, overlapping -- against the values they must give; the failures."""
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    rng = torch.Generator().manual_seed(seed)  # the same draws on every rank
+    bad = []
+    dtypes = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+              torch.int32, torch.int64, torch.bool, torch.complex64, torch.uint16]
+    for i in range(150):
+        dtype = dtypes[int(torch.randint(len(dtypes), (1,), generator=rng))]
+        m = int(torch.randint(0, 3, (1,), generator=rng)) * 7000 + int(torch.randint(0, 9, (1,), generator=rng))
+        shape = int(torch.randint(0, 4, (1,), generator=rng))
+        base = torch.arange(2 * m + 2).remainder(7).to(dtype)
+        if shape == 0:
+            t = base[:m].clone()
+        elif shape == 1:
+            t = base[: 2 * m : 2] if m else base[:0]  # strided
+        elif shape == 2:
+            t = base[:m].clone().view(-1, 1).t() if m else base[:0]  # transposed view
+        else:
+            t = base[:m].clone()
+        before = t.clone()
+        want = before.clone()
+        for _ in range(n - 1):  # every rank holds the same values: their sum in rank order (uint16 has none)
+            want = torch.add(want, before) if dtype != torch.uint16 else want
+        try:
+            if i % 3 == 2:
+                dist.broadcast(t, i % n)
+                ok = torch.equal(t, before)
+            else:
+                dist.all_reduce(t)
+                ok = torch.equal(t, want)
+        except Exception as exc:  # noqa: BLE001 - a clear error is allowed (uint16 has no add); a crash is not
+            ok = dtype == torch.uint16 and "cannot reduce" in str(exc)
+        if not ok:
+            bad.append((i, str(dtype), m, shape))
+    # the input an in-place all_gather must take, and one that overlaps the output elsewhere
+    out = torch.arange(n * 64, dtype=torch.float32)
+    dist.all_gather_into_tensor(out, out[rank * 64:(rank + 1) * 64])
+    if not torch.equal(out, torch.arange(n * 64, dtype=torch.float32)):
+        bad.append(("all_gather own row", out[:8].tolist()))
+    out = torch.arange(n * 64, dtype=torch.float32)
+    dist.all_gather_into_tensor(out, out[:64].clone() if rank == 0 else out[:64])
+    if not torch.equal(out, torch.arange(64, dtype=torch.float32).repeat(n)):
+        bad.append(("all_gather overlapping", out[:8].tolist()))
+    inp = torch.arange(n * 64, dtype=torch.float32)
+    dist.reduce_scatter_tensor(inp[:64], inp)  # output inside the input
+    if not torch.equal(inp[:64], torch.arange(rank * 64, (rank + 1) * 64, dtype=torch.float32) * n):
+        bad.append(("reduce_scatter overlapping", inp[:8].tolist()))
+    return bad
+
+
+@pytest.mark.slow
+def test_a_fuzz_of_user_arguments_never_crashes_a_rank_and_gives_the_right_values():
+    _lib()
+    for bad in run_distributed(_fuzz, 2, args=(3,), backend="shm", timeout=240, env={"CPUDDP_SHM_SLOT": "8192"}):
+        assert bad == []
+
+
+def _interrupted() -> tuple:
+    """Rank 0 waits in an all_reduce for rank 1, which sleeps; a signal handler on rank 0 raises
+    after 0.3 s: how long the wait took to notice."""
+    import signal
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    class Interrupted(Exception):
+        pass
+
+    if dist.get_rank() == 1:
+        time.sleep(3)
+        return "slept", 0.0
+
+    def handler(*_):
+        raise Interrupted()
+
+    signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(10))
+    except Interrupted:
+        return "interrupted", time.monotonic() - start
+    return "finished", time.monotonic() - start
+
+
+@pytest.mark.slow
+def test_a_rank_waiting_in_the_native_path_still_runs_python_signal_handlers():
+    _lib()
+    res = run_distributed(_interrupted, 2, backend="shm", timeout=60, env={"CPUDDP_SHM_NATIVE": "1"})
+    what, took = res[0]
+    assert what == "interrupted" and took < 1.5, res[0]
+
+
+# --------------------------------------------------------------------------- sanitizers
+
+
+@pytest.mark.slow
+def test_the_protocol_under_thread_sanitizer(tmp_path):
+    """tests/native/threads.c: ranks as threads over one segment, every collective, checked
+    results; built with -fsanitize=thread beside engine.c (CI: .ci/native.sh runs it too)."""
+    cc = native_build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    exe = tmp_path / "threads"
+    build = subprocess.run([cc, "-fsanitize=thread", "-O1", "-g", "-pthread", "-std=c11", "-ffp-contract=off",
+                            f"-I{native_build.HERE}", str(REPO / "tests" / "native" / "threads.c"), "-o", str(exe)],
+                           capture_output=True, text=True)
+    if build.returncode != 0 and "tsan" in build.stderr.lower():
+        pytest.skip(f"no ThreadSanitizer runtime: {build.stderr[-300:]}")
+    assert build.returncode == 0, build.stderr
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}  # not an AddressSanitizer run's runtime
+    done = subprocess.run([str(exe), "4", "300"], capture_output=True, text=True, timeout=240,
+                          env={**env, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "ok" in done.stdout
