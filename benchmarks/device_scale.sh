@@ -1,19 +1,22 @@
 #!/usr/bin/env bash
-# The one many-core run for issue 36: how the shm backend scales on a node of 16 cores (not run by CI).
-# Run from the repository root on a lent machine (python3 with torch 2.11, nothing installed):
-#     bash benchmarks/device_scale.sh         (results under $OUT; about 8 minutes wall in total)
+# The one many-core run for issues 36 and 44: how the shm backend scales on a node of 16 cores,
+# and what the native data path does there (not run by CI).  Run from the repository root on a
+# lent machine (python3 with torch 2.11, nothing installed), with the native library built on the
+# project's machine and carried (cpuddp/backends/shm/native/libcpuddp_shm.so: plain C, no Python
+# tag; without it the Python path runs, and line 0 says so):
+#     bash benchmarks/device_scale.sh         (results under $OUT; under 5 minutes wall in total)
 # OUT defaults to a fresh private directory (mktemp -d, mode 0700), named at the start and the end;
 # OUT=dir picks another: it must be a real directory (not a symlink) of yours, or one this script
 # can create, that nobody else can write -- in a sticky one such as /tmp the results go to a fresh
 # private directory inside it (the shim for `packaging` below is put on PYTHONPATH from there).
-# 1. benchmarks/scale.py: allreduce, reduce_scatter, all_gather, broadcast, barrier at N = 2,4,8,16,
-#    shm vs gloo in the same ranks, 4K..16M x4, each N ranks x (16/N) threads (default pinning),
-#    copy ceiling with all N ranks copying at once   (budget 330 s)
-# 2. 2-rank bimodality: the same allreduce and broadcast sweep 6 times each, per-size spread
-#    (max/min of the per-run times) -- before the fix 256K-1M sizes took 55-85 or 400-500 us  (budget 100 s)
-# 3. the CPU cost of waiting 3 s for a late peer (benchmarks/wait_cost.py)  (budget 30 s); what one
-#    4 KiB call costs at 8 and 16 ranks (benchmarks/call_cost.py)  (budget 2 x 40 s)
-# 4. DDP samples/s, gloo vs shm, at 2 and 8 ranks (benchmarks/shm_ddp.py, short)  (budget 60 s)
+# 0. the machine, and the shm data path a group would take (native (avx512) / python (why))
+# 1. what one 4 KiB all_reduce and barrier cost at 2, 8 and 16 ranks, native and Python paths in one
+#    run each (benchmarks/call_cost.py, pinned one CPU per rank)      (budget 3 x 30 s)
+# 2. 16 MiB all_reduce, shm vs gloo, at 4x4, 8x2 and 16x1 ranks x threads, and the copy ceiling
+#    with all ranks copying at once (benchmarks/scale.py)              (budget 75 s)
+# 3. the 2-rank spread: allreduce and broadcast 4K..4M, 4 runs each, max/min per size (budget 45 s)
+# 4. DDP at 8 ranks (gloo, shm) and shard.py at 8 ranks (ddp, shard-full, shard-optimizer)
+#    (budget: what is left of 290 s)
 set -u
 if [ -z "${OUT:-}" ]; then
   OUT=$(mktemp -d -t cpuddp-device-scale.XXXXXX) || { echo "mktemp -d failed" >&2; exit 1; }
@@ -50,16 +53,24 @@ start=$(date +%s)
   nproc; lscpu | grep -E 'Model name|^CPU\(s\)|Thread|Core|Socket|NUMA node\(s\)|L3'; git log --oneline -1; } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 
-echo "== 1. scale sweeps"
-timeout 330 $PY benchmarks/scale.py --nproc 2,4,8,16 -b 4K -e 16M -f 4 -w 3 -n 10 --rounds 3 \
-    --ceiling-size 64M --timeout 100 --out "$OUT/scale" > "$OUT/scale.txt" 2>&1
-echo "exit $? after $(( $(date +%s) - start )) s"; tail -60 "$OUT/scale.txt"
+$PY -c "from cpuddp.backends.shm import native; print('0. shm data path:', native.status()[1])" 2>&1 | tee -a "$OUT/machine.txt"
 
-echo "== 2. 2-rank spread: first the hand-off probe (no cpuddp: do the cores stay put?), then allreduce, broadcast 6 runs each"
-timeout 20 $PY benchmarks/handoff_probe.py --cpus 0,8 --blocks 10 --iters 200 --pause 0.3 --json "$OUT/bimodal/probe.json" 2>&1 | tail -3
+echo "== 1. call cost, 4 KiB, both data paths"
+for n in 2 8 16; do
+  timeout 30 $PY benchmarks/call_cost.py --nproc $n --calls 500 --repeats 3 --kinds all_reduce,barrier \
+      | tee -a "$OUT/call_cost.txt"
+done
+echo "after $(( $(date +%s) - start )) s"
+
+echo "== 2. 16 MiB all_reduce at 4x4, 8x2, 16x1, shm vs gloo, and the copy ceiling"
+timeout 75 $PY benchmarks/scale.py --nproc 4,8,16 --collectives allreduce -b 16M -e 16M -w 2 -n 6 --rounds 2 \
+    --ceiling-size 64M --timeout 25 --out "$OUT/scale" > "$OUT/scale.txt" 2>&1
+echo "exit $? after $(( $(date +%s) - start )) s"; tail -25 "$OUT/scale.txt"
+
+echo "== 3. 2-rank spread: allreduce, broadcast 4 runs each"
 for coll in allreduce broadcast; do
-  for i in 1 2 3 4 5 6; do
-    timeout 15 $PY -m cpuddp bench $coll --nproc 2 -b 4K -e 4M -f 4 -w 5 -n 30 --no-ceiling --no-check \
+  for i in 1 2 3 4; do
+    timeout 10 $PY -m cpuddp bench $coll --nproc 2 -b 4K -e 4M -f 4 -w 5 -n 30 --no-ceiling --no-check \
         --json "$OUT/bimodal/${coll}_$i.json" > /dev/null 2>> "$OUT/bimodal/stderr.txt"
   done
 done
@@ -76,17 +87,16 @@ for coll in ("allreduce", "broadcast"):
 PYEOF
 echo "after $(( $(date +%s) - start )) s"
 
-echo "== 3. waiting 3 s for a late peer"
-timeout 40 $PY benchmarks/wait_cost.py --late 3 --repeats 2 | tee "$OUT/wait_cost.txt"
-for n in 8 16; do
-  timeout 40 $PY benchmarks/call_cost.py --nproc $n --calls 500 --repeats 3 | tee -a "$OUT/call_cost.txt"
-done
-
-echo "== 4. DDP, gloo vs shm, 2 and 8 ranks (if time is left)"
-for n in 2 8; do
-  left=$(( 500 - ($(date +%s) - start) ))
-  [ "$left" -gt 40 ] || { echo "skipped N=$n: $left s left"; continue; }
-  timeout $(( left - 10 )) $PY benchmarks/shm_ddp.py --nproc $n --backends gloo,shm --repeats 1 --steps 8 --warmup 2 \
-      --out "$OUT/shm_ddp_$n.json" 2>&1 | tail -15 | tee "$OUT/shm_ddp_$n.txt"
-done
+echo "== 4. DDP and shard.py at 8 ranks (what time is left of 290 s)"
+left=$(( 290 - ($(date +%s) - start) ))
+if [ "$left" -gt 40 ]; then
+  timeout $(( left / 2 )) $PY benchmarks/shm_ddp.py --nproc 8 --backends gloo,shm --repeats 1 --steps 8 --warmup 2 \
+      --out "$OUT/shm_ddp_8.json" 2>&1 | tail -8 | tee "$OUT/shm_ddp_8.txt"
+  left=$(( 290 - ($(date +%s) - start) ))
+  [ "$left" -gt 20 ] && timeout "$left" $PY benchmarks/shard.py --nproc 8 --cases ddp-gloo,ddp,shard-full,shard-optimizer \
+      --models mlp --precisions fp32 --repeats 1 --steps 8 --warmup 2 --out "$OUT/shard_8.json" 2>&1 | tail -12 \
+      | tee "$OUT/shard_8.txt"
+else
+  echo "skipped: $left s left"
+fi
 echo "done in $(( $(date +%s) - start )) s; results in $OUT"

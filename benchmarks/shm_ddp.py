@@ -2,6 +2,7 @@
 
     flock "$(python benchmarks/_heavy_lock.py)" python benchmarks/shm_ddp.py  # 2 ranks, 5 repeats
     python benchmarks/shm_ddp.py --backends gloo,shm,shm-async,shm-sync       # CPUDDP_SHM_ASYNC=1 / =0
+    python benchmarks/shm_ddp.py --backends gloo,shm-python,shm                # the Python / native data path
     python benchmarks/shm_ddp.py --quick                                      # does the script work?
 
 Each run starts ``--nproc`` local ranks (``cpuddp.init_distributed(backend=...)``, default
@@ -60,6 +61,8 @@ def rank_main(args: argparse.Namespace) -> None:
         os.environ["CPUDDP_SHM_ASYNC"], backend = "0", "shm"
     elif backend == "shm-async":  # the shm backend with its communication thread for 256 KiB and up
         os.environ["CPUDDP_SHM_ASYNC"], backend = "1", "shm"
+    elif backend == "shm-python":  # the shm backend on its Python data path (CPUDDP_SHM_NATIVE=0)
+        os.environ["CPUDDP_SHM_NATIVE"], backend = "0", "shm"
     cpuddp.init_distributed(backend=backend)
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

@@ -417,3 +417,92 @@ def test_the_protocol_under_thread_sanitizer(tmp_path):
                           env={**env, "TSAN_OPTIONS": "halt_on_error=1 exitcode=66"})
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "ok" in done.stdout
+
+
+# --------------------------------------------------------------------------- the progress thread
+
+
+def _ddp_overlaps() -> dict:
+    """DDP on a native group with its progress thread: what the reducer's all_reduces returned
+    (finished or not), and the trained parameters."""
+    import hashlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from cpuddp.backends.shm.group import ShmProcessGroup
+
+    finished_at_return = []
+    inner = ShmProcessGroup.allreduce
+
+    def watched(self, *args, **kwargs):
+        work = inner(self, *args, **kwargs)
+        finished_at_return.append(work.is_completed())
+        return work
+
+    ShmProcessGroup.allreduce = watched
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                                torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    ddp = DDP(model, bucket_cap_mb=1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        opt.zero_grad()
+        ddp(torch.randn(16, 256, generator=g)).square().mean().backward()
+        opt.step()
+    ShmProcessGroup.allreduce = inner
+    pg = dist.distributed_c10d._get_default_group()
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+    return {"finished": finished_at_return, "progress": pg._progress is not None, "params": digest}
+
+
+@pytest.mark.slow
+def test_ddps_reducer_gets_an_unfinished_work_and_trains_to_the_same_bits():
+    """Overlap is structural: with the progress thread (CPUDDP_SHM_ASYNC=1) the reducer's bucket
+    all_reduces return before their data moved, backward goes on, and training ends with the
+    parameters of the run where every all_reduce finished in the caller's thread."""
+    _lib()
+    queued = run_distributed(_ddp_overlaps, 2, backend="shm", timeout=240, env={"CPUDDP_SHM_ASYNC": "1"})
+    inline = run_distributed(_ddp_overlaps, 2, backend="shm", timeout=240, env={"CPUDDP_SHM_ASYNC": "0"})
+    for q, i in zip(queued, inline):
+        assert q["progress"] and not i["progress"]
+        assert q["finished"] and not all(q["finished"]), q["finished"]  # returned before the data moved
+        assert all(i["finished"]), i["finished"]
+        assert q["params"] == i["params"]
+    assert len({r["params"] for r in queued}) == 1
+
+
+def _fork_while_queued() -> dict:
+    """A child forked while the progress thread has calls queued: the child cannot use the
+    group and exits cleanly; the parent's calls complete."""
+    import torch
+    import torch.distributed as dist
+
+    ts = [torch.ones(1 << 18) * (dist.get_rank() + 1) for _ in range(8)]
+    works = [dist.all_reduce(t, async_op=True) for t in ts]
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        try:
+            dist.all_reduce(torch.ones(4))
+            msg = b"used"
+        except Exception as exc:  # noqa: BLE001
+            msg = type(exc).__name__.encode()
+        os.write(w, msg)
+        os._exit(0)
+    os.close(w)
+    child = os.read(r, 100).decode()
+    _, status = os.waitpid(pid, 0)
+    for work in works:
+        work.wait()
+    return {"child": child, "status": status, "sums": sorted({t[0].item() for t in ts})}
+
+
+@pytest.mark.slow
+def test_a_child_forked_while_calls_are_queued_cannot_use_the_group_and_the_parent_finishes():
+    _lib()
+    for r in run_distributed(_fork_while_queued, 2, backend="shm", timeout=120, env={"CPUDDP_SHM_ASYNC": "1"}):
+        assert r == {"child": "GroupShutDownError", "status": 0, "sums": [3.0]}, r

@@ -37,6 +37,8 @@ class Collectives:
     _direct: Any  # its direct route (cpuddp.backends.shm.native.direct), or None
     _native: Any  # the native data path (cpuddp.backends.shm.native.Engine) of a one-level node, or None
     _run_native: Callable[..., Any]
+    _submit_native: Callable[..., Any]
+    _queues: Callable[[Sequence[torch.Tensor]], bool]
     _world: Any
     _run: Callable[..., Any]
     rank: Callable[[], int]
@@ -66,10 +68,13 @@ class Collectives:
         nat = self._native
         if nat is not None and nat.reduces(code, t.dtype):
             size = self.size()
+            if self._queues([t]):
+                return self._submit_native("all_reduce", [t], lambda call: nat.all_reduce(call, t, code), tensors,
+                                           (lambda: t.div_(size)) if code == AVG else None, op=code)
 
             def native(call: Any) -> None:
                 with staged(t, out=True) as flat:
-                    nat.all_reduce(call, flat, code)
+                    nat.run(call, nat.all_reduce(call, flat, code))
                     if code == AVG:
                         flat.div_(size)
 
@@ -123,7 +128,7 @@ class Collectives:
 
             def native(call: Any) -> None:
                 with staged(t, out=mine) as flat:
-                    nat.reduce(call, flat, local, code)
+                    nat.run(call, nat.reduce(call, flat, local, code))
                     if code == AVG and mine:
                         flat.div_(self.size())
 
@@ -156,10 +161,13 @@ class Collectives:
         nat = self._native
         if nat is not None:
             local = self._local(root)
+            if self._queues([t]):
+                return self._submit_native("broadcast", [t], lambda call: nat.broadcast(call, flat_bytes(t), local),
+                                           tensors, None, root=root)
 
             def native(call: Any) -> None:
                 with staged(t, out=self.rank() != root) as flat:
-                    nat.broadcast(call, flat_bytes(flat), local)
+                    nat.run(call, nat.broadcast(call, flat_bytes(flat), local))
 
             return self._run_native("broadcast", [t], native, tensors, root=root)
 
@@ -207,6 +215,10 @@ class Collectives:
         forms.whole_of(output, input, self.size(), self.rank(), "all_gather_single")
         nat = self._native
         if nat is not None:
+            if self._queues([output, input]) and not self._overlaps_elsewhere(output, input):
+                return self._submit_native("all_gather_single", [input],
+                                           lambda call: nat.all_gather(call, flat_bytes(output), flat_bytes(input)),
+                                           output, None)
             return self._run_native("all_gather_single", [input], lambda call: self._native_gather(call, output, input),
                                     output)
         return self._run("all_gather_single", [input], lambda: self._all_gather_single(output, input), output)
@@ -218,10 +230,14 @@ class Collectives:
         apart from it (any other overlap goes through a copy of its own)."""
         with staged(output, out=True) as flat, staged(inp, out=False) as staged_in:
             out, fin = flat_bytes(flat), flat_bytes(staged_in)
-            own = out.data_ptr() + self.rank() * fin.numel()
-            if fin.numel() and fin.data_ptr() != own and forms.overlaps(out, fin):
+            if self._overlaps_elsewhere(out, fin):
                 fin = fin.clone()
-            self._native.all_gather(call, out, fin)
+            self._native.run(call, self._native.all_gather(call, out, fin))
+
+    def _overlaps_elsewhere(self, output: torch.Tensor, inp: torch.Tensor) -> bool:
+        """Does all_gather's input share bytes with its output other than as this rank's row?"""
+        own = output.data_ptr() + self.rank() * inp.numel() * inp.element_size()
+        return bool(inp.numel()) and inp.data_ptr() != own and forms.overlaps(output, inp)
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
         outputs, inputs = list(outputs), list(inputs)
@@ -309,6 +325,11 @@ class Collectives:
         fn = reducer(code, output.dtype)
         nat = self._native
         if nat is not None and nat.reduces(code, output.dtype):
+            if self._queues([output, input]) and not forms.overlaps(output, input):
+                size = self.size()
+                return self._submit_native("reduce_scatter_single", [output],
+                                           lambda call: nat.reduce_scatter(call, output, input, code), output,
+                                           (lambda: output.div_(size)) if code == AVG else None, op=code)
             return self._run_native("reduce_scatter_single", [output],
                                     lambda call: self._native_scatter(call, output, input, code), output, op=code)
         return self._run("reduce_scatter_single", [output],
@@ -322,7 +343,7 @@ class Collectives:
         with staged(inp, out=False) as fin, staged(output, out=True) as flat:
             aside = forms.overlaps(flat, fin)
             dst = torch.empty_like(flat) if aside else flat
-            self._native.reduce_scatter(call, dst, fin, code)
+            self._native.run(call, self._native.reduce_scatter(call, dst, fin, code))
             if code == AVG:
                 dst.div_(self.size())
             if aside:
@@ -462,5 +483,5 @@ class Collectives:
                 return work
         nat = self._native
         if nat is not None:
-            return self._run_native("barrier", [], nat.barrier, None)
+            return self._run_native("barrier", [], lambda call: nat.run(call, nat.barrier(call)), None)
         return self._run("barrier", [], (self._hier or self._eng).barrier, None)

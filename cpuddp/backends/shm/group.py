@@ -70,10 +70,11 @@ from .handover import map_segment
 from .levels import setup_levels
 from .local import LocalEngine
 from .native.direct import Direct
+from .native.progress import Progress
 from .node import GroupName, NodePlan, check_local_size, group_name, parse_who, pin_hosts, plan_node, whoami
 from .ops import check_tensors
 from .p2p import PeerLinks
-from .stream import GatheredWork, Stream, TimedWork, async_setting
+from .stream import ASYNC_FROM, GatheredWork, Stream, TimedWork, async_setting
 from .wait import Waiter
 
 __all__ = ["NAME", "ShmProcessGroup", "register", "eligibility"]
@@ -130,6 +131,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._eng: Optional[LocalEngine] = None
         self._native: Optional[native.Engine] = None
         self._direct: Optional[Direct] = None
+        self._progress: Optional[Progress] = None
         #: which data path the node's collectives take, and why (the log and the job's header)
         self.data_path = ""
         self._hier: Optional[Hierarchy] = None
@@ -139,10 +141,13 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self.reason = self._setup(store, rank, size, timeout, name or group_name(store, "", (), size, None))
         self._life.live()
         threaded = self._eng is not None and async_setting(self._options.async_comm)
+        if self._native is not None and threaded:  # the native progress thread, not the Python one
+            self._progress = Progress(self._native, self._on_error, rank)
+            threaded = False
         self._stream = Stream(rank, threaded, self._on_error, self._thread_setup)
-        #: the direct route of all_reduce and barrier (native groups without a communication thread)
+        #: the direct route of all_reduce and barrier (native groups that queue nothing)
         self._direct = (Direct(self._native, self._life, self._eng.ch.seg, self._stream.exec_lock, self._on_error)  # type: ignore[union-attr]
-                        if self._native is not None and self._stream.inline else None)
+                        if self._native is not None and self._stream.inline and self._progress is None else None)
         api.track(self)
         if rank == 0:
             log.info("cpuddp.shm: group of %d: %s", size, self.reason)
@@ -219,6 +224,8 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._usable()
         ch = self._eng.ch  # type: ignore[union-attr]
         call = encode(kind, agreed, op=None if op is None else int(op), root=root)
+        if self._progress is not None:
+            self._progress.drain()  # issue order: the queued calls first
 
         def run() -> None:
             ch.agree(call)
@@ -234,7 +241,27 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._usable()
         self._life.check_not_broken()
         call = encode(kind, agreed, op=None if op is None else int(op), root=root)
+        if self._progress is not None:
+            self._progress.drain()  # issue order: the queued calls first
         return self._stream.run(lambda: run(call), result, lambda: sum(t.numel() * t.element_size() for t in agreed))
+
+    def _queues(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Does this call go to the progress thread: one is running, the tensors are dense (no
+        staging copy to undo afterwards), and the call is big or others are queued (order)?"""
+        progress = self._progress
+        if progress is None or not all(t.is_contiguous() and not t.is_conj() and not t.is_neg() for t in tensors):
+            return False
+        return bool(progress.pending()) or sum(t.numel() * t.element_size() for t in tensors) >= ASYNC_FROM
+
+    def _submit_native(self, kind: str, agreed: Sequence[torch.Tensor], job: Callable[[Any], Any], result: Any,
+                       after: Optional[Callable[[], None]], *, op: Any = None, root: Optional[int] = None) -> Any:
+        """Queue one native call on the progress thread: an unfinished Work at once (its
+        tensors held until it completes; ``after`` runs once the data is there)."""
+        self._usable()
+        self._life.check_not_broken()
+        call = encode(kind, agreed, op=None if op is None else int(op), root=root)
+        with self._stream.exec_lock:
+            return self._progress.submit(call, job(call), result, (agreed, result), after)  # type: ignore[union-attr]
 
     def _on_error(self, exc: BaseException) -> None:
         if self._eng is not None:
@@ -286,6 +313,8 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         if os.getpid() != self._pid:
             return  # a forked child: the parent's group is not this process's to leave
         self._stream.close()
+        if self._progress is not None:
+            self._progress.close()
         if self._eng is not None:
             self._eng.ch.leave()
         if self._links is not None:

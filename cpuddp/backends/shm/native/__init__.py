@@ -42,7 +42,7 @@ ISA_VAR = "CPUDDP_SHM_ISA"
 ISAS = ("scalar", "avx2", "avx512")
 ABI = 1
 #: engine.c's results
-RC_OK, RC_AGAIN, RC_MISMATCH, RC_DEAD, RC_LEFT, RC_ABORT, RC_TIMEOUT, RC_ARG = range(8)
+RC_OK, RC_AGAIN, RC_MISMATCH, RC_DEAD, RC_LEFT, RC_ABORT, RC_TIMEOUT, RC_ARG, RC_BUSY, RC_CLOSED = range(10)
 #: where a failed wait was
 W_POST, W_SETTLE, W_ROUND = 1, 2, 3
 #: engine.c's collectives
@@ -99,6 +99,11 @@ class _Lib:
             "cpuddp_shm_resume": (i32, [vp]),
             "cpuddp_shm_drop": (None, [vp]),
             "cpuddp_shm_reduce_rows": (i32, [i32, i32, i32, vp, vp, i32, i64]),
+            "cpuddp_shm_start": (i32, [vp]),
+            "cpuddp_shm_submit": (i64, [vp, vp, vp, vp]),
+            "cpuddp_shm_wait": (i32, [vp, i64, i64, vp]),
+            "cpuddp_shm_pending": (i64, [vp]),
+            "cpuddp_shm_stop": (None, [vp]),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name)
@@ -325,37 +330,40 @@ class Engine:
             e = self._entries[call] = (ctypes.c_int64 * 13)(*call.words(), kind, dtype, op, root, numel, m)
         return e
 
-    def all_reduce(self, call: Any, flat: Any, code: Any) -> None:
-        """``flat``: a contiguous 1-D tensor (in and out); ``code`` an op it reduces (AVG: the caller divides)."""
+    def all_reduce(self, call: Any, flat: Any, code: Any) -> Tuple[Any, int, Optional[int]]:
+        """``flat``: a contiguous 1-D tensor (in and out); ``code`` an op it reduces (AVG: the
+        caller divides).  Each collective gives its job: ``(entry, a, b)`` for :meth:`run` or
+        :meth:`cpuddp.backends.shm.native.progress.Progress.submit`."""
         n = flat.numel()
-        e = self.entry(call, K_ALL_REDUCE, self.dtype_code(flat.dtype), int(code), 0, n, n)
-        self.done(self._call(self.ctx, e, flat.data_ptr(), None), call)
+        return self.entry(call, K_ALL_REDUCE, self.dtype_code(flat.dtype), int(code), 0, n, n), flat.data_ptr(), None
 
-    def reduce(self, call: Any, flat: Any, root: int, code: Any) -> None:
+    def reduce(self, call: Any, flat: Any, root: int, code: Any) -> Tuple[Any, int, Optional[int]]:
         n = flat.numel()
-        e = self.entry(call, K_REDUCE, self.dtype_code(flat.dtype), int(code), root, n, n)
-        self.done(self._call(self.ctx, e, flat.data_ptr(), None), call)
+        return self.entry(call, K_REDUCE, self.dtype_code(flat.dtype), int(code), root, n, n), flat.data_ptr(), None
 
-    def broadcast(self, call: Any, flat: Any, root: int) -> None:
+    def broadcast(self, call: Any, flat: Any, root: int) -> Tuple[Any, int, Optional[int]]:
         """``flat``: contiguous 1-D bytes."""
         n = flat.numel()
-        self.done(self._call(self.ctx, self.entry(call, K_BROADCAST, -1, 0, root, n, n), flat.data_ptr(), None), call)
+        return self.entry(call, K_BROADCAST, -1, 0, root, n, n), flat.data_ptr(), None
 
-    def barrier(self, call: Any) -> None:
-        self.done(self._call(self.ctx, self.entry(call, K_BARRIER, -1, 0, 0, 0, 0), None, None), call)
+    def barrier(self, call: Any) -> Tuple[Any, Optional[int], Optional[int]]:
+        return self.entry(call, K_BARRIER, -1, 0, 0, 0, 0), None, None
 
-    def all_gather(self, call: Any, out: Any, inp: Any) -> None:
+    def all_gather(self, call: Any, out: Any, inp: Any) -> Tuple[Any, int, int]:
         """``out``: contiguous bytes, ``n`` rows of ``inp``'s size; ``inp``: this rank's row of
         ``out`` or apart from it."""
         n = inp.numel()
-        e = self.entry(call, K_ALL_GATHER, -1, 0, 0, n, n)
-        self.done(self._call(self.ctx, e, out.data_ptr(), inp.data_ptr()), call)
+        return self.entry(call, K_ALL_GATHER, -1, 0, 0, n, n), out.data_ptr(), inp.data_ptr()
 
-    def reduce_scatter(self, call: Any, out: Any, inp: Any, code: Any) -> None:
+    def reduce_scatter(self, call: Any, out: Any, inp: Any, code: Any) -> Tuple[Any, int, int]:
         """``out``: ``m`` elements; ``inp``: ``n * m`` elements apart from ``out``; both contiguous."""
         m = out.numel()
         e = self.entry(call, K_REDUCE_SCATTER, self.dtype_code(out.dtype), int(code), 0, m, m)
-        self.done(self._call(self.ctx, e, out.data_ptr(), inp.data_ptr()), call)
+        return e, out.data_ptr(), inp.data_ptr()
+
+    def run(self, call: Any, job: Tuple[Any, Optional[int], Optional[int]]) -> None:
+        """Run ``job`` (one collective's) in this thread."""
+        self.done(self._call(self.ctx, *job), call)
 
     # ------------------------------------------------------------------ results
 
@@ -373,16 +381,27 @@ class Engine:
             self._raise(rc, call)
 
     def _raise(self, rc: int, call: Any) -> None:
-        """The Python engine's error for engine.c's result ``rc``."""
+        st = self.state
+        self.raise_error(rc, call, int(st.err_peer), int(st.err_where), int(st.err_value))
+
+    def error(self, rc: int, call: Any, peer: int, where: int, value: int) -> Exception:
+        """:meth:`raise_error`'s exception, returned (the progress thread's results)."""
+        try:
+            self.raise_error(rc, call, peer, where, value)
+        except Exception as exc:  # noqa: BLE001 - it is the result
+            return exc
+        raise AssertionError("raise_error returned")  # pragma: no cover
+
+    def raise_error(self, rc: int, call: Any, peer: int, where: int, value: int) -> None:
+        """The Python engine's error for engine.c's result ``rc`` (``peer``, ``where``, ``value``: what it names)."""
         import torch.distributed as dist
 
         from ..agree import describe
 
-        ch, st = self.ch, self.state
-        peer, value = int(st.err_peer), int(st.err_value)
+        ch = self.ch
         what = {W_POST: f"call #{value} to be checked",
                 W_SETTLE: f"collective call #{value} ({describe(call.words())})",
-                W_ROUND: f"a shared-memory round ({value})"}.get(int(st.err_where), "a collective")
+                W_ROUND: f"a shared-memory round ({value})"}.get(where, "a collective")
         if rc == RC_MISMATCH:
             ch.ring.mismatch(value, call, ch.local)
         elif rc in (RC_DEAD, RC_LEFT):
@@ -393,4 +412,6 @@ class Engine:
             ch.waiter.check_abort()
         elif rc == RC_TIMEOUT:
             raise ch.waiter.timed_out([peer], what)
+        elif rc == RC_CLOSED:
+            raise dist.DistBackendError(f"shm: the group was shut down while rank {ch.rank} waited in {what}")
         raise dist.DistBackendError(f"shm: the native data path refused a call ({rc}) in {what}; this is a bug")

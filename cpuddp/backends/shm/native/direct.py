@@ -21,7 +21,6 @@ import torch
 
 from ..agree import encode
 from ..stream import ShmWork
-from . import K_ALL_REDUCE, K_BARRIER
 
 __all__ = ["Direct"]
 
@@ -39,7 +38,7 @@ class Direct:
         self._call, self._ctx = engine.lib.call, engine.ctx
         self._entries: Dict[Tuple[Any, int, Any], Optional[Tuple[Any, Any]]] = {}
         self._barrier = encode("barrier", [])
-        self._barrier_entry = engine.entry(self._barrier, K_BARRIER, -1, 0, 0, 0, 0)
+        self._barrier_entry = engine.barrier(self._barrier)[0]
         self._work = ShmWork.done(None)
         self._free = sys.getrefcount(self._work)  # nobody but this object holds it
 
@@ -48,9 +47,8 @@ class Direct:
         ``op``, or None where the direct route does not take it."""
         if op == torch.distributed.ReduceOp.RedOpType.AVG or not self.engine.reduces(op, t.dtype):
             return None
-        code, n = int(op), t.numel()
-        call = encode("all_reduce", [t], op=code)
-        return call, self.engine.entry(call, K_ALL_REDUCE, self.engine.dtype_code(t.dtype), code, 0, n, n)
+        call = encode("all_reduce", [t], op=int(op))
+        return call, self.engine.all_reduce(call, t, op)[0]
 
     def _finished(self, result: Any) -> ShmWork:
         work = self._work

@@ -78,7 +78,8 @@ enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 #define SMALL 32768        /* all_reduce chunks up to this many bytes: one round, every rank sums all rows */
 
 #define SPIN_FIRST 2000        /* ns of pause-spinning before anything else */
-#define YIELD_FOR 2000000      /* ns of sched_yield polling (when every rank has its own CPU) */
+#define YIELD_FOR 2000000      /* ns of sched_yield polling when every rank has its own CPU */
+#define YIELD_SHARED 200000    /* ns of it when ranks share CPUs (the yield runs the peer that shares it) */
 #define SLEEP_MIN 50000        /* ns, the first futex sleep */
 #define SLEEP_MAX 2000000      /* ns, the longest futex sleep */
 #define CHECK_EVERY 20000000   /* ns between liveness checks */
@@ -335,7 +336,7 @@ static int wait_words(ctx_t *c, int w, int64_t v, int skip_me, int where) {
         }
         if (op->slice_ns && now - op->call_start > op->slice_ns) return RC_AGAIN;
         int64_t waited = now - op->wait_start;
-        if (c->spin && waited < YIELD_FOR) {
+        if (waited < (c->spin ? YIELD_FOR : YIELD_SHARED)) {
             sched_yield();
             continue;
         }

@@ -1,0 +1,145 @@
+"""A native group's progress thread: collectives queued, run in issue order by a native thread
+that never holds the GIL, their results handed to torch's futures by a waiter blocked in a
+GIL-free native call.
+
+``engine.c`` owns the thread (``cpuddp_shm_start``: a pthread with every signal blocked, so
+Ctrl-C stays the main thread's) and its queue of 64 calls; :meth:`Progress.submit` hands it a
+call's job -- its prepared entry and its tensors' addresses -- and returns an unfinished
+:class:`~cpuddp.backends.shm.stream.ShmWork` at once, so DDP's reducer and FSDP2's prefetch go
+on while the data moves.  The submitted tensors (and the call's result) are held here until
+the call completes: nothing a queued call reads or writes is freed under it.  One Python thread
+(``cpuddp-shm-wait-<rank>``) waits for each call in turn inside ``cpuddp_shm_wait`` (ctypes
+releases the GIL; it wakes every 0.1 s to see whether the group closed), then runs the call's
+``after`` (AVG's division) and completes its future -- or sets the error the inline call would
+raise, and breaks the group.  The thread spins briefly for the next call, then sleeps on a
+futex; it shares the rank's CPUs (the work is memory-bound).  A forked child inherits no thread
+and may not use the group (the group refuses it).
+
+Order: a call that runs in the caller's thread (small, or staged, or on the Python path) first
+waits for every queued one (:meth:`drain`); ``engine.c`` refuses an inline call while any is
+queued (``RC_BUSY``), so the order cannot be broken by mistake.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from . import RC_AGAIN, RC_BUSY, RC_OK
+
+__all__ = ["Progress"]
+
+#: how long one wait inside the library lasts before the waiter looks at the group again
+_WAIT_NS = 100_000_000
+_JOIN_TIMEOUT = 10.0
+
+
+class _Job:
+    __slots__ = ("call", "fut", "result", "keep", "after")
+
+    def __init__(self, call: Any, fut: Any, result: Any, keep: Sequence[Any], after: Optional[Callable[[], None]]):
+        self.call, self.fut, self.result, self.keep, self.after = call, fut, result, keep, after
+
+
+class Progress:
+    """One native group's progress thread and waiter (see the module docstring)."""
+
+    def __init__(self, engine: Any, on_error: Callable[[BaseException], None], rank: int) -> None:
+        self.engine, self.on_error = engine, on_error
+        lib = engine.lib
+        self._submit, self._wait, self._pending = lib.submit, lib.wait, lib.pending
+        if lib.start(engine.ctx) != RC_OK:
+            raise RuntimeError("the shm engine's progress thread did not start")
+        self._jobs: Dict[int, _Job] = {}
+        self._cv = threading.Condition()
+        self._closed = False
+        self._waiter = threading.Thread(target=self._loop, name=f"cpuddp-shm-wait-{rank}", daemon=True)
+        self._waiter.start()
+
+    def pending(self) -> int:
+        """Calls queued and not completed (their futures not yet set)."""
+        return len(self._jobs)
+
+    def submit(self, call: Any, job: Tuple[Any, Any, Any], result: Any, keep: Sequence[Any],
+               after: Optional[Callable[[], None]] = None) -> Any:
+        """Queue ``job`` (a :class:`~cpuddp.backends.shm.native.Engine` collective's); an
+        unfinished Work at once.  ``keep``: what must stay alive until the call completes."""
+        from ..stream import ShmWork
+
+        fut: "torch.futures.Future[Any]" = torch.futures.Future()
+        while True:
+            ticket = self._submit(self.engine.ctx, *job)
+            if ticket >= 0:
+                break
+            if ticket != -RC_BUSY:
+                raise torch.distributed.DistBackendError("shm: the group's progress thread is shut down")
+            self._oldest().wait()  # 64 calls in flight: the oldest's result makes room
+        with self._cv:
+            self._jobs[ticket] = _Job(call, fut, result, keep, after)
+            self._cv.notify_all()
+        return ShmWork(fut)
+
+    def _oldest(self) -> Any:
+        with self._cv:
+            return self._jobs[min(self._jobs)].fut
+
+    def drain(self) -> None:
+        """Wait until every queued call completed (its error, if any, is its Work's and the group's)."""
+        while self._jobs:
+            fut = self._oldest()
+            try:
+                fut.wait()
+            except Exception:  # noqa: BLE001 - the call's own Work raises it; the group is broken
+                pass
+
+    def _loop(self) -> None:
+        err = (ctypes.c_int64 * 3)()
+        ticket = 0
+        while True:
+            with self._cv:
+                while ticket not in self._jobs and not self._closed:
+                    self._cv.wait()
+                job = self._jobs.get(ticket)  # after close: the queued calls' results, then None
+            if job is None:
+                return
+            rc = self._wait(self.engine.ctx, ticket, _WAIT_NS, err)
+            while rc == RC_AGAIN:
+                rc = self._wait(self.engine.ctx, ticket, _WAIT_NS, err)
+            self._finish(job, rc, err)
+            with self._cv:
+                del self._jobs[ticket]
+                self._cv.notify_all()
+            ticket += 1
+
+    def _finish(self, job: _Job, rc: int, err: Any) -> None:
+        if rc == RC_OK:
+            try:
+                if job.after is not None:
+                    job.after()
+            except BaseException as exc:  # noqa: BLE001 - reaches the caller's wait()
+                job.fut.set_exception(exc)
+                return
+            job.fut.set_result(job.result)
+            return
+        exc = self.engine.error(rc, job.call, int(err[0]), int(err[1]), int(err[2]))
+        self.on_error(exc)
+        job.fut.set_exception(exc)
+
+    def close(self, settle: float = _JOIN_TIMEOUT) -> None:
+        """Let the queued calls finish (up to ``settle`` seconds), then stop the thread (a call
+        still waiting for peers ends with an error, and the calls behind it) and the waiter."""
+        if self._closed:
+            return
+        import time
+
+        end = time.monotonic() + settle
+        while self._jobs and time.monotonic() < end and threading.current_thread() is not self._waiter:
+            time.sleep(0.001)
+        self.engine.lib.stop(self.engine.ctx)  # joins the native thread; every queued call has its result
+        with self._cv:  # the waiter takes the results left, then ends
+            self._closed = True
+            self._cv.notify_all()
+        self._waiter.join(_JOIN_TIMEOUT)
