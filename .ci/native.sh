@@ -9,6 +9,8 @@
 #    (CPUDDP_SHM_NATIVE=1), for the native tests and the engine's fault and agreement tests;
 # 3. tests/native/threads.c -- ranks as threads over one segment, every collective -- under
 #    ThreadSanitizer;
+# 4. engine.c and threads.c built for aarch64 (Debian's cross compiler): the native path must
+#    build there (its multi-process run on such a CPU is unverified: none is at hand);
 # then the library is built again as pip builds it (also when a step fails).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,4 +36,15 @@ step "ThreadSanitizer: tests/native/threads.c, 4 ranks as threads"
 cc -fsanitize=thread -O1 -g -pthread -std=c11 -ffp-contract=off -I cpuddp/backends/shm/native \
   tests/native/threads.c -o "$CI_WORK/threads-tsan"
 TSAN_OPTIONS="halt_on_error=1 exitcode=66" "$CI_WORK/threads-tsan" 4 300
+
+step "aarch64: the library and the threaded test build with the cross compiler"
+if ! command -v aarch64-linux-gnu-gcc > /dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu > "$CI_WORK/aarch64-install.log" 2>&1 \
+    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu \
+         > "$CI_WORK/aarch64-install.log" 2>&1; } || { cat "$CI_WORK/aarch64-install.log"; exit 1; }
+fi
+CC=aarch64-linux-gnu-gcc python -m cpuddp.backends.shm.native.build "$CI_WORK/libcpuddp_shm-aarch64.so"
+file "$CI_WORK/libcpuddp_shm-aarch64.so" 2>/dev/null || true
+aarch64-linux-gnu-gcc -O2 -std=c11 -pthread -I cpuddp/backends/shm/native tests/native/threads.c \
+  -o "$CI_WORK/threads-aarch64"
 step "done"

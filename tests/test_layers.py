@@ -264,7 +264,9 @@ OWNERS = {
 }
 
 #: The command-line edges: only they parse arguments; below them a typed config travels.
-ARGPARSE_EDGES = {"cpuddp.__main__", "cpuddp.bench.cli", "cpuddp.run.command", "cpuddp.doctor.command"}
+ARGPARSE_EDGES = {"cpuddp.__main__", "cpuddp.bench.cli", "cpuddp.run.command", "cpuddp.doctor.command",
+                  # `python -m cpuddp.backends.shm.native.build`: setup.py and CI build the library with it
+                  "cpuddp.backends.shm.native.build"}
 
 
 def _docstrings(tree: ast.AST) -> set[int]:

@@ -7,7 +7,8 @@ rank's slots on its own NUMA node (:mod:`.segment`; where the pages are: :mod:`.
 its hand-over from local rank 0 (:mod:`.handover`); the per-call agreement (:mod:`.agree`);
 waiting for the node's peers (:mod:`.wait`); the node-local data path in Python (:mod:`.local`; its
 all_reduce in two levels over NUMA nodes: :mod:`.levels`) and in C (:mod:`.native`: the library,
-its binding, the path a node agrees on, and the direct route of all_reduce and barrier) and the leg across nodes
+its binding and build, the path a node agrees on; its routes: :mod:`.direct`, one call from
+torch's, and :mod:`.progress`, the progress thread) and the leg across nodes
 (:mod:`.cross`); where collectives run (:mod:`.stream`); argument forms and size checks
 (:mod:`.forms`), reduce ops and staging (:mod:`.ops`), sparse all_reduce (:mod:`.sparse`) and
 send/recv (:mod:`.p2p`); the collectives torch calls (:mod:`.calls`) and the process group

@@ -34,7 +34,7 @@ class Collectives:
 
     _eng: Any
     _hier: Any
-    _direct: Any  # its direct route (cpuddp.backends.shm.native.direct), or None
+    _direct: Any  # its direct route (cpuddp.backends.shm.direct), or None
     _native: Any  # the native data path (cpuddp.backends.shm.native.Engine) of a one-level node, or None
     _run_native: Callable[..., Any]
     _submit_native: Callable[..., Any]
@@ -148,6 +148,11 @@ class Collectives:
     # ------------------------------------------------------------------ broadcast
 
     def broadcast(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
+        direct = self._direct
+        if direct is not None and not args and not kw:
+            work = direct.broadcast(tensors, opts)
+            if work is not None:
+                return work
         if isinstance(tensors, torch.Tensor):  # broadcast(tensor, root, timeout=None)
             root = forms.root_of(None, opts, kw)
         else:
@@ -209,13 +214,18 @@ class Collectives:
             (self._hier or self._eng).all_gather(flat_bytes(fin), rows)
 
     def all_gather_single(self, output: Any, input: Any, *args: Any, **kw: Any) -> Any:  # noqa: A002
+        direct = self._direct
+        if direct is not None:
+            work = direct.all_gather(output, input)
+            if work is not None:
+                return work
         if self._eng is None:
             return self._world._allgather_base(output, input)
         check_tensors([output, input], "all_gather_single")
         forms.whole_of(output, input, self.size(), self.rank(), "all_gather_single")
         nat = self._native
         if nat is not None:
-            if self._queues([output, input]) and not self._overlaps_elsewhere(output, input):
+            if self._queues([output, input]) and not forms.overlaps_elsewhere(output, input, self.rank()):
                 return self._submit_native("all_gather_single", [input],
                                            lambda call: nat.all_gather(call, flat_bytes(output), flat_bytes(input)),
                                            output, None)
@@ -230,14 +240,9 @@ class Collectives:
         apart from it (any other overlap goes through a copy of its own)."""
         with staged(output, out=True) as flat, staged(inp, out=False) as staged_in:
             out, fin = flat_bytes(flat), flat_bytes(staged_in)
-            if self._overlaps_elsewhere(out, fin):
+            if forms.overlaps_elsewhere(out, fin, self.rank()):
                 fin = fin.clone()
             self._native.run(call, self._native.all_gather(call, out, fin))
-
-    def _overlaps_elsewhere(self, output: torch.Tensor, inp: torch.Tensor) -> bool:
-        """Does all_gather's input share bytes with its output other than as this rank's row?"""
-        own = output.data_ptr() + self.rank() * inp.numel() * inp.element_size()
-        return bool(inp.numel()) and inp.data_ptr() != own and forms.overlaps(output, inp)
 
     def all_gather_single_coalesced(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
         outputs, inputs = list(outputs), list(inputs)
@@ -316,6 +321,11 @@ class Collectives:
 
     def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None, *args: Any,  # noqa: A002
                               **kw: Any) -> Any:
+        direct = self._direct
+        if direct is not None and not args and not kw:
+            work = direct.reduce_scatter(output, input, opts)
+            if work is not None:
+                return work
         code = forms.reduce_op(opts, args, kw)
         if self._eng is None:
             return self._world._reduce_scatter_base(output, input,

@@ -135,6 +135,10 @@ class Channel:
         """Collectives agreed so far (either path)."""
         return self.state.calls
 
+    def describe(self, call: Call) -> str:
+        """``call`` as text (an error's words)."""
+        return describe(call.words())
+
     # ------------------------------------------------------------------ the two calls
 
     def agree(self, call: Call) -> None:

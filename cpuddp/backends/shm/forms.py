@@ -74,6 +74,12 @@ def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
+def overlaps_elsewhere(output: torch.Tensor, inp: torch.Tensor, rank: int) -> bool:
+    """Does an all_gather's input share bytes with its output other than as row ``rank``?"""
+    own = output.data_ptr() + rank * inp.numel() * inp.element_size()
+    return bool(inp.numel()) and inp.data_ptr() != own and overlaps(output, inp)
+
+
 def same_as_input(outs: Sequence[torch.Tensor], inp: torch.Tensor, size: int, rank: int, what: str) -> List[torch.Tensor]:
     """``size`` output tensors of ``inp``'s element count and dtype, or an error naming them."""
     outs = list(outs)

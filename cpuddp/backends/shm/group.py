@@ -69,11 +69,12 @@ from .cross import Hierarchy, SumThenDivide, cross_group
 from .handover import map_segment
 from .levels import setup_levels
 from .local import LocalEngine
-from .native.direct import Direct
-from .native.progress import Progress
+from .direct import Direct
+from .progress import Progress
 from .node import GroupName, NodePlan, check_local_size, group_name, parse_who, pin_hosts, plan_node, whoami
 from .ops import check_tensors
 from .p2p import PeerLinks
+from .segment import C_NATIVE
 from .stream import ASYNC_FROM, GatheredWork, Stream, TimedWork, async_setting
 from .wait import Waiter
 
@@ -146,7 +147,8 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             threaded = False
         self._stream = Stream(rank, threaded, self._on_error, self._thread_setup)
         #: the direct route of all_reduce and barrier (native groups that queue nothing)
-        self._direct = (Direct(self._native, self._life, self._eng.ch.seg, self._stream.exec_lock, self._on_error)  # type: ignore[union-attr]
+        self._direct = (Direct(self._native, self._life, self._eng.ch.seg, self._stream.exec_lock,  # type: ignore[union-attr]
+                               self._on_error, self._plan.local)  # type: ignore[union-attr]
                         if self._native is not None and self._stream.inline and self._progress is None else None)
         api.track(self)
         if rank == 0:
@@ -179,7 +181,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._eng = LocalEngine(Channel(seg, plan.local, rank, waiter, self._life))
         self._links = PeerLinks({plan.local[j]: s for j, s in socks.items()}, rank)
         numa = setup_levels(self._eng, self._options.cpus or plan.local_cpus[plan.local_rank])
-        engine, path = native.form(self._eng.ch, peers, seconds)
+        engine, path = native.form(self._eng.ch, peers, seconds, C_NATIVE)
         if plan.nodes == 1 and self._eng.levels is None:  # the two-level and node-to-node plans run in Python
             self._native = engine
         elif engine is not None:

@@ -18,11 +18,18 @@ it orders memory); ctypes releases the GIL for it.  This module:
   into its control line, one round, and the node runs native only if every rank has the same
   library; otherwise every rank runs Python (and the reason is logged).
 * **guards** every call (:class:`Engine`): only contiguous CPU tensors of a dtype and op the
-  library reduces reach it (the callers stage the rest, :mod:`cpuddp.backends.shm.calls`); every
+  library reduces reach it (the callers stage the rest: :mod:`cpuddp.backends.shm.calls`, and
+  the routes that use it, :mod:`~cpuddp.backends.shm.direct` and
+  :mod:`~cpuddp.backends.shm.progress`); every
   pointer and length it gets is a tensor's own; inputs that overlap outputs in any way but the
   one each collective allows stay on the Python path.  An error code becomes the same error the
   Python engine raises (a mismatch naming both calls, a dead or departed peer, a rank that gave
   up, the timeout).
+
+Owns: the library's loading, settings and binding, and the path a node agrees on; the C sources
+(``engine.c``, ``kernels.h``) and their build (:mod:`.build`).  It is handed the segment and
+channel it works over: it imports no other module of the shm backend.
+May import: :mod:`cpuddp.errors`
 """
 
 from __future__ import annotations
@@ -49,7 +56,6 @@ W_POST, W_SETTLE, W_ROUND = 1, 2, 3
 K_ALL_REDUCE, K_BROADCAST, K_BARRIER, K_ALL_GATHER, K_REDUCE_SCATTER, K_REDUCE = range(1, 7)
 #: the agreement's dtype codes (cpuddp.backends.shm.agree) the library moves and reduces
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64")
-#: control-line word of each rank's library (0: none) -- cpuddp.backends.shm.segment's C_NATIVE
 _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 
@@ -239,14 +245,12 @@ def _token(lib: Optional[_Lib]) -> int:
     return 0 if lib is None else 1 + int(lib.digest().decode() or "0", 16) % (1 << 62)
 
 
-def form(ch: Any, peers: Mapping[int, Any], timeout: float, environ: Mapping[str, str] = os.environ
+def form(ch: Any, peers: Mapping[int, Any], timeout: float, word: int, environ: Mapping[str, str] = os.environ
          ) -> Tuple[Optional["Engine"], str]:
     """Agree the node's data path when a group forms: ``(engine or None, what the log says)``.
-    Every local rank writes its library's token into its control line; after one round each
-    reads all of them: native only where every rank has the same library."""
+    Every local rank writes its library's token into word ``word`` of its control line; after
+    one round each reads all of them: native only where every rank has the same library."""
     from cpuddp.errors import BackendError
-
-    from ..segment import C_NATIVE
 
     wanted = setting(environ)
     lib, why = None, f"{VAR}={environ.get(VAR)}"
@@ -258,9 +262,9 @@ def form(ch: Any, peers: Mapping[int, Any], timeout: float, environ: Mapping[str
         except Unavailable as exc:
             why = str(exc)
     seg = ch.seg
-    seg.lines[ch.me][C_NATIVE] = _token(lib)
+    seg.lines[ch.me][word] = _token(lib)
     ch.round(ch.next_round())
-    tokens = [seg.lines[i][C_NATIVE] for i in range(ch.n)]
+    tokens = [seg.lines[i][word] for i in range(ch.n)]
     if lib is not None and len(set(tokens)) == 1:
         return Engine(lib, ch, peers, timeout, isa), f"native data path, {ISAS[isa]}"
     if lib is not None:
@@ -288,10 +292,8 @@ class Engine:
         self.ctx = ctypes.addressof(self._ctx)
         pidfds = (ctypes.c_int * seg.size)(*[getattr(self._peers.get(i), "pidfd", None) or -1
                                              for i in range(seg.size)])
-        from .. import check as shm_check
-
         rc = lib.init(self.ctx, ctypes.addressof(self.state), ctypes.addressof(seg.words), seg.counters_at,
-                      shm_check.ring_offset(seg.size), seg.slots_at, seg.slot, seg.total, seg.size,
+                      seg.ring_at[0], seg.slots_at, seg.slot, seg.total, seg.size,
                       seg.local_rank, seg.fd, pidfds, int(ch.waiter.spin), isa, int(timeout * 1e9))
         if rc:
             raise Unavailable(f"its context refused this segment ({rc})")
@@ -333,7 +335,7 @@ class Engine:
     def all_reduce(self, call: Any, flat: Any, code: Any) -> Tuple[Any, int, Optional[int]]:
         """``flat``: a contiguous 1-D tensor (in and out); ``code`` an op it reduces (AVG: the
         caller divides).  Each collective gives its job: ``(entry, a, b)`` for :meth:`run` or
-        :meth:`cpuddp.backends.shm.native.progress.Progress.submit`."""
+        :meth:`cpuddp.backends.shm.progress.Progress.submit`."""
         n = flat.numel()
         return self.entry(call, K_ALL_REDUCE, self.dtype_code(flat.dtype), int(code), 0, n, n), flat.data_ptr(), None
 
@@ -396,11 +398,9 @@ class Engine:
         """The Python engine's error for engine.c's result ``rc`` (``peer``, ``where``, ``value``: what it names)."""
         import torch.distributed as dist
 
-        from ..agree import describe
-
         ch = self.ch
         what = {W_POST: f"call #{value} to be checked",
-                W_SETTLE: f"collective call #{value} ({describe(call.words())})",
+                W_SETTLE: f"collective call #{value} ({ch.describe(call)})",
                 W_ROUND: f"a shared-memory round ({value})"}.get(where, "a collective")
         if rc == RC_MISMATCH:
             ch.ring.mismatch(value, call, ch.local)

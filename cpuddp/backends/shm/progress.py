@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from . import RC_AGAIN, RC_BUSY, RC_OK
+from .native import RC_AGAIN, RC_BUSY, RC_OK
 
 __all__ = ["Progress"]
 
@@ -67,7 +67,7 @@ class Progress:
                after: Optional[Callable[[], None]] = None) -> Any:
         """Queue ``job`` (a :class:`~cpuddp.backends.shm.native.Engine` collective's); an
         unfinished Work at once.  ``keep``: what must stay alive until the call completes."""
-        from ..stream import ShmWork
+        from .stream import ShmWork
 
         fut: "torch.futures.Future[Any]" = torch.futures.Future()
         while True:

@@ -1,0 +1,173 @@
+"""The direct route of a native group: ``all_reduce``, ``broadcast``, ``all_gather_single``,
+``reduce_scatter_single`` and ``barrier`` from torch's call to one native call, with no Python
+object made per call.
+
+:class:`~cpuddp.backends.shm.calls.Collectives` asks :class:`Direct` first; it takes the call
+only in the common case -- plain, dense, contiguous CPU tensors of one dtype (and, for a
+reduction, an op the library reduces; AVG excluded: the general route divides), the sizes the
+collective needs, an input that is the output's own row or apart from it, a root of the group,
+a live group in its own process, no communication thread -- and returns None for anything
+else, which the general route (the same checks as always, then the same native call or the
+Python engine, with its errors) handles.  Per call it does
+the checks that protect the native code (type, device, layout, contiguity), one dict lookup
+for what the call's shape was agreed as (its descriptor, made once per dtype, size and op), one
+native call under the stream's lock, and hands back a finished Work it reuses while nobody else
+holds it (a Work a caller kept is never changed: a new one is made instead).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import torch
+
+from .agree import encode
+from .forms import overlaps, overlaps_elsewhere
+from .ops import flat_bytes
+from .stream import ShmWork
+
+__all__ = ["Direct"]
+
+_ENTRIES_MAX = 4096
+
+
+class Direct:
+    """One group's direct route (see the module docstring)."""
+
+    def __init__(self, engine: Any, life: Any, seg: Any, lock: Any, on_error: Any, local: Sequence[int]) -> None:
+        """``local``: the group's ranks in local-rank order (a single-node group: all of them)."""
+        from .channel import State
+
+        self.engine, self.life, self.seg, self.lock, self.on_error = engine, life, seg, lock, on_error
+        self._local = {rank: i for i, rank in enumerate(local)}
+        self._n = len(local)
+        self._live = State.LIVE
+        self._call, self._ctx = engine.lib.call, engine.ctx
+        self._entries: Dict[Tuple[Any, int, Any], Optional[Tuple[Any, Any]]] = {}
+        self._barrier = encode("barrier", [])
+        self._barrier_entry = engine.barrier(self._barrier)[0]
+        self._work = ShmWork.done(None)
+        self._free = sys.getrefcount(self._work)  # nobody but this object holds it
+
+    def _entry(self, t: torch.Tensor, op: Any) -> Optional[Tuple[Any, Any]]:
+        """``(call, the library's entry)`` for an all_reduce of ``t``'s dtype and size with
+        ``op``, or None where the direct route does not take it."""
+        if op == torch.distributed.ReduceOp.RedOpType.AVG or not self.engine.reduces(op, t.dtype):
+            return None
+        call = encode("all_reduce", [t], op=int(op))
+        return call, self.engine.all_reduce(call, t, op)[0]
+
+    def _finished(self, result: Any) -> ShmWork:
+        work = self._work
+        if sys.getrefcount(work) > self._free + 1:  # someone kept the last one: leave it as it is
+            work = self._work = ShmWork.done(result)
+        else:  # its future (if one was asked for) holds the last call's result: the next one makes its own
+            work._result, work._fut = result, None
+        return work
+
+    def all_reduce(self, tensors: Any, opts: Any) -> Optional[ShmWork]:
+        if type(tensors) is not list or len(tensors) != 1 or self.life.state is not self._live or self.seg.forked:
+            return None
+        t = tensors[0]
+        if type(t) is not torch.Tensor or not t.is_cpu or t.layout is not torch.strided or not t.is_contiguous() \
+                or t.is_neg():
+            return None
+        op = getattr(getattr(opts, "reduceOp", None), "op", None)
+        if op is None:
+            return None
+        key = (t.dtype, t.numel(), op)
+        entries = self._entries
+        entry = entries.get(key, False)
+        if entry is False:
+            if len(entries) >= _ENTRIES_MAX:
+                entries.clear()
+            entry = entries[key] = self._entry(t, op)
+        if entry is None:
+            return None
+        self._run(entry[0], entry[1], t.data_ptr(), None)
+        return self._finished(tensors)
+
+    def _run(self, call: Any, prepared: Any, a: Any, b: Any) -> None:
+        with self.lock:
+            try:
+                rc = self._call(self._ctx, prepared, a, b)
+                if rc:
+                    self.engine.done(rc, call)
+            except BaseException as exc:
+                self.on_error(exc)
+                raise
+
+    def _usable(self) -> bool:
+        return self.life.state is self._live and not self.seg.forked
+
+    def _shape(self, key: Tuple[Any, ...], make: Any) -> Optional[Tuple[Any, Any]]:
+        entries = self._entries
+        entry = entries.get(key, False)
+        if entry is False:
+            if len(entries) >= _ENTRIES_MAX:
+                entries.clear()
+            entry = entries[key] = make()
+        return entry
+
+    def broadcast(self, tensors: Any, opts: Any) -> Optional[ShmWork]:
+        if type(tensors) is not list or len(tensors) != 1 or not self._usable():
+            return None
+        t = tensors[0]
+        root = getattr(opts, "rootRank", None)
+        if not _plain(t) or type(root) is not int or root not in self._local:
+            return None
+        local = self._local[root]
+
+        def make() -> Tuple[Any, Any]:
+            call = encode("broadcast", [t], root=root)
+            return call, self.engine.broadcast(call, flat_bytes(t), local)[0]
+
+        call, prepared = self._shape(("broadcast", t.dtype, t.numel(), root), make)  # type: ignore[misc]
+        self._run(call, prepared, t.data_ptr(), None)
+        return self._finished(tensors)
+
+    def all_gather(self, output: Any, inp: Any) -> Optional[ShmWork]:
+        """all_gather_single: ``inp`` into row ``rank`` of ``output`` on every rank."""
+        if not self._usable() or not _plain(output) or not _plain(inp) or output.dtype != inp.dtype \
+                or output.numel() != inp.numel() * self._n:
+            return None
+        if overlaps_elsewhere(output, inp, self.engine.ch.me):  # a single-node group: local rank = rank
+            return None
+
+        def make() -> Tuple[Any, Any]:
+            call = encode("all_gather_single", [inp])
+            return call, self.engine.all_gather(call, flat_bytes(output), flat_bytes(inp))[0]
+
+        call, prepared = self._shape(("all_gather", inp.dtype, inp.numel()), make)  # type: ignore[misc]
+        self._run(call, prepared, output.data_ptr(), inp.data_ptr())
+        return self._finished(output)
+
+    def reduce_scatter(self, output: Any, inp: Any, opts: Any) -> Optional[ShmWork]:
+        """reduce_scatter_single: part ``rank`` of every rank's ``inp``, reduced, into ``output``."""
+        if not self._usable() or not _plain(output) or not _plain(inp) or output.dtype != inp.dtype \
+                or inp.numel() != output.numel() * self._n or overlaps(output, inp):
+            return None
+        op = getattr(getattr(opts, "reduceOp", None), "op", None)
+        if op is None or op == torch.distributed.ReduceOp.RedOpType.AVG or not self.engine.reduces(op, output.dtype):
+            return None
+
+        def make() -> Tuple[Any, Any]:
+            call = encode("reduce_scatter_single", [output], op=int(op))
+            return call, self.engine.reduce_scatter(call, output, inp, op)[0]
+
+        call, prepared = self._shape(("reduce_scatter", output.dtype, output.numel(), op), make)  # type: ignore[misc]
+        self._run(call, prepared, output.data_ptr(), inp.data_ptr())
+        return self._finished(output)
+
+    def barrier(self) -> Optional[ShmWork]:
+        if self.life.state is not self._live or self.seg.forked:
+            return None
+        self._run(self._barrier, self._barrier_entry, None, None)
+        return self._finished(None)
+
+
+def _plain(t: Any) -> bool:
+    """A plain, dense, contiguous CPU tensor (what the library may take as it is)."""
+    return type(t) is torch.Tensor and t.is_cpu and t.layout is torch.strided and t.is_contiguous() \
+        and not t.is_neg() and not t.is_conj()  # ops' dense test
