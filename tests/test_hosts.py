@@ -67,6 +67,28 @@ def test_exchange_names_missing_ranks_after_the_timeout():
     assert time.monotonic() - start < 5
 
 
+def test_a_rank_waiting_for_late_peers_says_whom_where_and_for_how_long(monkeypatch, caplog):
+    """Issue 46: a rank whose peers do not come says so within seconds -- once -- not after the
+    whole timeout; a peer that comes late still completes the exchange (a real TCP store)."""
+    import socket
+
+    monkeypatch.setattr(hosts, "NOTICE_AFTER", 0.3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, 2, True, timeout=datetime.timedelta(seconds=30), wait_for_workers=False)
+    late = threading.Timer(1.0, lambda: dist.TCPStore("127.0.0.1", port, 2, False).set(hosts._key("x", 1), "v1"))
+    late.start()
+    try:
+        with caplog.at_level("WARNING", logger="cpuddp"):
+            assert hosts.exchange(store, "x", 0, 2, "v0", datetime.timedelta(seconds=20), what="host") == ["v0", "v1"]
+    finally:
+        late.cancel()
+    said = [r.getMessage() for r in caplog.records if "waiting for" in r.getMessage()]
+    assert said == [f"cpuddp: rank 0 waiting for rank(s) [1] at 127.0.0.1:{port} (the host exchange), up to 20 s "
+                    "(CPUDDP_TIMEOUT)"], said
+
+
 def test_exchange_raises_at_once_on_a_peer_error():
     store = dist.HashStore()
     hosts.publish_error(store, "x", 1, ValueError("bad thing\nFix: do this"))

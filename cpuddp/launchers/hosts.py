@@ -235,7 +235,7 @@ def exchange(store: Any, name: str, rank: int, world_size: int, value: str,
     store.set(_key(name, rank), value)
     keys = [_key(name, r) for r in range(world_size)]
     try:
-        store.wait(keys, timeout)
+        _wait_all(store, keys, timeout, rank, what)
     except Exception:
         missing = _missing(store, keys)
         shown = missing if len(missing) <= 16 else f"{missing[:16]} and {len(missing) - 16} more"
@@ -257,6 +257,34 @@ def exchange(store: Any, name: str, rank: int, world_size: int, value: str,
                 fix=f"see rank {r}'s log for the cause; every rank stops with it",
             )
     return values
+
+
+#: seconds a rank waits for the others in an exchange before it says whom it waits for (once)
+NOTICE_AFTER = 5.0
+
+
+def _wait_all(store: Any, keys: Sequence[str], timeout: datetime.timedelta, rank: int, what: str) -> None:
+    """``store.wait(keys, timeout)``, saying after :data:`NOTICE_AFTER` seconds which ranks are
+    late, where, and for how long this rank will wait: a rank whose peers never come is not
+    silent for the whole timeout."""
+    import time
+
+    first = min(timeout.total_seconds(), NOTICE_AFTER)
+    end = time.monotonic() + first
+    while time.monotonic() < end:  # polled: a timed-out store.wait makes torch warn on stderr
+        if store.check(list(keys)):
+            return
+        time.sleep(0.05)
+    if first >= timeout.total_seconds():
+        store.wait(keys, datetime.timedelta(seconds=0.01))  # raises with the store's own words
+        return
+    from .identity import store_endpoint  # identity's job key reads the launchers' registry
+
+    late = _missing(store, keys)
+    shown = late if len(late) <= 16 else f"{late[:16]} and {len(late) - 16} more"
+    log.warning("cpuddp: rank %d waiting for rank(s) %s at %s (the %s exchange), up to %.0f s (CPUDDP_TIMEOUT)",
+                rank, shown, store_endpoint(store), what, timeout.total_seconds())
+    store.wait(keys, timeout - datetime.timedelta(seconds=first))
 
 
 def _peer_error(text: str) -> str:
