@@ -123,3 +123,38 @@ def test_a_sharded_checkpoint_resumes_on_1_rank_2_ranks_and_unsharded(run_distri
     _check(run_distributed(_resume_run, 1, args=(path, "full", via), timeout=120)[0], saved, later)
     _check(run_distributed(_resume_run, 2, args=(path, saved_with, via), timeout=120)[0], saved, later)
     _check(run_distributed(_resume_run, 2, args=(path, None, via), timeout=120)[0], saved, later)
+
+
+def _plain_state_dict_round_trip(path: str) -> dict:
+    """save_state_dict of a shard="full" model is a plain state dict torch.load reads without
+    cpuddp (whole tensors, no DTensor); load_state_dict puts it back into a sharded model."""
+    import torch.distributed as dist
+
+    model = _mlp()
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    sharded = cpuddp.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), shard="full")
+    cpuddp.save_state_dict(sharded, path)
+    plain = {}
+    if dist.get_rank() == 0:
+        loaded = torch.load(path, weights_only=True)
+        plain = {k: (type(v).__name__, tuple(v.shape), bool(torch.equal(v, want[k]))) for k, v in loaded.items()}
+    fresh = _mlp()
+    with torch.no_grad():
+        for p in fresh.parameters():
+            p.zero_()
+    again = cpuddp.prepare(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), shard="full")
+    result = cpuddp.load_state_dict(again, path)
+    back = _whole(again)
+    return {"plain": plain, "back": all(torch.equal(back[k], want[k]) for k in want),
+            "missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
+
+
+def test_save_state_dict_of_a_sharded_model_is_a_plain_state_dict(run_distributed, tmp_path):
+    """Issue 46: save_state_dict with shard="full" wrote DTensors that a plain torch.load could not
+    read, though its docs promise a plain state dict."""
+    res = run_distributed(_plain_state_dict_round_trip, 2, args=(str(tmp_path / "model.pt"),), timeout=180)
+    plain = res[0]["plain"]
+    assert plain and all(kind == "Tensor" and same for kind, _shape, same in plain.values()), plain
+    assert plain["0.weight"][1] == (32, 16), plain
+    for r in res:
+        assert r["back"] and r["missing"] == [] and r["unexpected"] == [], r

@@ -39,7 +39,7 @@ from .common.data import ShardedLoader, shard
 from .common.rank0 import global_rank0, on_rank0
 from .precision import bf16 as precision
 from .prepare import prepared_info
-from .sharding.distribute import unwrap
+from .sharding.distribute import is_sharded, unwrap
 
 __all__ = [
     "ShardedLoader",
@@ -195,7 +195,8 @@ def save_state_dict(model: nn.Module, path: Union[str, os.PathLike], *, group: A
     """Rank 0 writes ``unwrap(model).state_dict()`` to ``path`` (atomically); every rank waits.
 
     The file is a plain state dict: ``model.load_state_dict(torch.load(path))`` reads it
-    without cpuddp.  An error on rank 0 (a full disk, a missing permission) is raised on
+    without cpuddp -- also for a ``shard="full"`` model, whose shards every rank gathers into
+    whole, plain tensors first (a collective: call it on every rank).  An error on rank 0 (a full disk, a missing permission) is raised on
     every rank, so none is left waiting.  A crash or kill at any moment leaves the previous
     checkpoint or the new one, never a mix; the file is fsynced before the rename and the
     directory after it, and is readable by this user only (mode 0600).  A failed save removes
@@ -206,9 +207,11 @@ def save_state_dict(model: nn.Module, path: Union[str, os.PathLike], *, group: A
     optimizer, scheduler, step and data position go in :func:`cpuddp.save_checkpoint`.
     """
     path = check_model_and_path("save_state_dict", model, path)
+    core = unwrap(model)
+    whole = _whole_state(core) if is_sharded(core) else None  # every rank: the gather is collective
 
     def write() -> None:
-        state = unwrap(model).state_dict()
+        state = whole if whole is not None else core.state_dict()
         write_atomically(path, lambda f: torch.save(state, f), needed=state_nbytes(state),
                          check_permissions=check_permissions)
 
@@ -218,6 +221,13 @@ def save_state_dict(model: nn.Module, path: Union[str, os.PathLike], *, group: A
     on_rank0(write, f"saving {path!r}",
              f"make {path!r} writable on rank 0's host (free space, permissions, every parent a directory); "
              "every rank stopped", group)
+
+
+def _whole_state(core: nn.Module) -> Any:
+    """A sharded model's state dict as whole, plain CPU tensors on rank 0 (empty elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(core, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def read_state(path: str, check_permissions: bool = True) -> Any:
@@ -242,6 +252,8 @@ def load_state_dict(
     rank, world = _rank_world(group)
     if world == 1:
         return core.load_state_dict(read_state(path, check_permissions), strict=strict)
+    if is_sharded(core):
+        return _load_sharded(core, path, strict, group, check_permissions)
 
     def read() -> tuple[list[str], list[str]]:
         result = core.load_state_dict(read_state(path, check_permissions), strict=strict)
@@ -268,3 +280,15 @@ def load_state_dict(
     from torch.nn.modules.module import _IncompatibleKeys
 
     return _IncompatibleKeys(missing, unexpected)
+
+
+def _load_sharded(core: nn.Module, path: str, strict: bool, group: Any, check_permissions: bool) -> Any:
+    """A plain state dict read on rank 0 into a ``shard="full"`` model: rank 0's whole tensors
+    broadcast, each rank keeping its shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    box: dict = {}
+    on_rank0(lambda: box.update(read_state(path, check_permissions)), f"loading {path!r}",
+             "fix the checkpoint on rank 0; every rank stopped", group)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
+    return set_model_state_dict(core, box, options=options)

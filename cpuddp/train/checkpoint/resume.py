@@ -69,7 +69,7 @@ from cpuddp.ranks import group_rank_world
 
 from ..common.data import ShardedLoader
 from ..common.rank0 import all_gather_bytes, broadcast_bytes, on_rank0
-from ..sharding.distribute import unwrap
+from ..sharding.distribute import is_sharded, unwrap
 from . import rng
 from .atomic import write_atomically
 from .ckpt_dirs import remove_dead_dirs
@@ -203,15 +203,6 @@ def _take_directory(directory: str, check_permissions: bool, step: int, name: st
 # --------------------------------------------------------------------------- saving
 
 
-def _is_sharded(core: nn.Module) -> bool:
-    """Are some parameters DTensors (``fully_shard``)?  Then every rank writes its shards."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without DTensor
-        return False
-    return any(isinstance(p, DTensor) for p in core.parameters())
-
-
 def _trainer_state(step: int, epoch: Optional[int], extra: Any, scheduler: Any, scaler: Any,
                    loader: Optional[ShardedLoader], rng_states: list[bytes], world: int) -> dict[str, Any]:
     """Everything but the model and optimizer, as plain data."""
@@ -255,7 +246,7 @@ def save_checkpoint(
     blobs = all_gather_bytes(rng.to_bytes(rng.capture()), group) if world > 1 else [rng.to_bytes(rng.capture())]
     trainer = _trainer_state(step, epoch, extra, scheduler, scaler, loader, blobs, world)
     _check_loadable({k: trainer[k] for k in ("extra", "scheduler", "scaler")})
-    sharded = _is_sharded(core)
+    sharded = is_sharded(core)
     name = checkpoint_name(step, sharded=sharded)
     target = os.path.join(path, name)
     if sharded:
@@ -398,7 +389,7 @@ def load_checkpoint(
                                   "loads with cpuddp.load_state_dict(model, path)")
     if kind == "sharded":
         state.update(load_sharded(where, core, optimizer, group))
-    apply_state(state, core, optimizer, scheduler, scaler, loader, rank, restore_rng, full=_is_sharded(core)
+    apply_state(state, core, optimizer, scheduler, scaler, loader, rank, restore_rng, full=is_sharded(core)
                 and kind == "file")
     saved_world = int(state.get("world_size", 1))
     if saved_world != world and rank == 0:

@@ -26,7 +26,7 @@ from .options import PrepareOptions, Shard
 from .shard import apply_full
 from .zero import ZeroStep
 
-__all__ = ["distribute", "ddp_kwargs", "compile_model", "unwrap"]
+__all__ = ["distribute", "ddp_kwargs", "compile_model", "unwrap", "is_sharded"]
 
 
 def ddp_kwargs(options: PrepareOptions) -> dict[str, Any]:
@@ -123,3 +123,13 @@ def distribute(core: nn.Module, optimizer: Optional[torch.optim.Optimizer], shar
     if shard == "full" or do_ddp:
         gather_places(options.process_group)  # each rank's CPUs and threads, for Progress's header (layout.py)
     return outer, hook_name
+
+
+def is_sharded(core: nn.Module) -> bool:
+    """Are some parameters DTensors (``fully_shard``)?  Then saving and loading are collective:
+    every rank holds a shard of them."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return any(isinstance(p, DTensor) for p in core.parameters())
