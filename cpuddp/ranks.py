@@ -146,12 +146,17 @@ def log0(msg: object, *args: Any, level: Union[int, str] = logging.INFO, logger:
 
     ``logger``: a logger, or a logger's name; default the root logger (as ``logging.info``
     uses).  ``level``: a number or a name (``"WARNING"``).  The record names the caller's
-    file and line, not this function's.
+    file and line, not this function's.  Where logging is not configured at all (no handler on
+    the logger or above it), a message at INFO or above is printed to stderr instead: Python
+    would drop an INFO record there, and the README's ``log0`` line would print nothing.
     """
     lvl = _level(level)
     if get_rank() != 0:
         return
     target = logging.getLogger(logger) if logger is None or isinstance(logger, str) else logger
+    if lvl >= logging.INFO and not target.hasHandlers():
+        print(str(msg) % args if args else str(msg), file=sys.stderr, flush=True)
+        return
     kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
     target.log(lvl, msg, *args, **kwargs)
 

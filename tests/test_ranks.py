@@ -160,3 +160,18 @@ def test_under_torchrun_before_and_after_init(tmp_path):
     assert "print0 before init; torch imported: False" in proc.stdout, log
     assert proc.stdout.count("print0 after init") == 1 and "print0 after init on rank 0" in proc.stdout, log
     assert proc.stderr.count("log0 after init") == 1 and "log0 after init on rank 0" in proc.stderr, log
+
+
+def test_log0_prints_where_logging_is_not_configured():
+    """Issue 46: README's ``cpuddp.log0("launcher %s", ...)`` printed nothing in a script that
+    configures no logging (Python drops an INFO record there); configured, logging decides."""
+    code = ("import logging, cpuddp\n"
+            "cpuddp.log0('launcher %s', 'plain')\n"
+            "cpuddp.log0('hidden', level='DEBUG')\n"
+            "logging.basicConfig(level=logging.WARNING, format='configured: %(message)s')\n"
+            "cpuddp.log0('dropped: below WARNING')\n"
+            "cpuddp.log0('kept', level='WARNING')\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == ["launcher plain", "configured: kept"], done.stderr
