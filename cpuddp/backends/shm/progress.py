@@ -13,7 +13,8 @@ releases the GIL; it wakes every 0.1 s to see whether the group closed), then ru
 ``after`` (AVG's division) and completes its future -- or sets the error the inline call would
 raise, and breaks the group.  The thread spins briefly for the next call, then sleeps on a
 futex; it shares the rank's CPUs (the work is memory-bound).  A forked child inherits no thread
-and may not use the group (the group refuses it).
+and may not use the group (the group refuses it), nor stop it.  At exit every running thread is
+stopped (after up to 2 s for its queued calls), also for a group nobody destroyed.
 
 Order: a call that runs in the caller's thread (small, or staged, or on the Python path) first
 waits for every queued one (:meth:`drain`); ``engine.c`` refuses an inline call while any is
@@ -22,8 +23,11 @@ queued (``RC_BUSY``), so the order cannot be broken by mistake.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import os
 import threading
+import weakref
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
@@ -35,6 +39,15 @@ __all__ = ["Progress"]
 #: how long one wait inside the library lasts before the waiter looks at the group again
 _WAIT_NS = 100_000_000
 _JOIN_TIMEOUT = 10.0
+#: the running progress threads: stopped at exit (a group never destroyed must not leave a
+#: native thread reading its context while the interpreter frees it)
+_live: "weakref.WeakSet[Progress]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for progress in list(_live):
+        progress.close(settle=2.0)
 
 
 class _Job:
@@ -58,6 +71,8 @@ class Progress:
         self._closed = False
         self._waiter = threading.Thread(target=self._loop, name=f"cpuddp-shm-wait-{rank}", daemon=True)
         self._waiter.start()
+        self._pid = os.getpid()
+        _live.add(self)
 
     def pending(self) -> int:
         """Calls queued and not completed (their futures not yet set)."""
@@ -131,7 +146,7 @@ class Progress:
     def close(self, settle: float = _JOIN_TIMEOUT) -> None:
         """Let the queued calls finish (up to ``settle`` seconds), then stop the thread (a call
         still waiting for peers ends with an error, and the calls behind it) and the waiter."""
-        if self._closed:
+        if self._closed or os.getpid() != self._pid:  # a forked child has no thread to stop
             return
         import time
 
