@@ -287,7 +287,7 @@ def _mixed() -> tuple:
 @pytest.mark.slow
 def test_every_rank_of_a_node_takes_the_same_path_and_the_log_says_why():
     _lib()
-    res = run_distributed(_mixed, 2, backend="shm", timeout=120)
+    res = run_distributed(_mixed, 2, backend="shm", timeout=120, env={"CPUDDP_SHM_NATIVE": "auto"})
     assert res[0][0] != res[1][0]
     for path, world_path, total in res:
         assert total == 3.0
@@ -352,9 +352,12 @@ def _fuzz(seed: int) -> list:
 
 
 @pytest.mark.slow
-def test_a_fuzz_of_user_arguments_never_crashes_a_rank_and_gives_the_right_values():
-    _lib()
-    for bad in run_distributed(_fuzz, 2, args=(3,), backend="shm", timeout=240, env={"CPUDDP_SHM_SLOT": "8192"}):
+@pytest.mark.parametrize("path", ["1", "0"], ids=["native", "python"])
+def test_a_fuzz_of_user_arguments_never_crashes_a_rank_and_gives_the_right_values(path):
+    if path == "1":
+        _lib()
+    for bad in run_distributed(_fuzz, 2, args=(3,), backend="shm", timeout=240,
+                               env={"CPUDDP_SHM_SLOT": "8192", "CPUDDP_SHM_NATIVE": path}):
         assert bad == []
 
 
@@ -464,8 +467,9 @@ def test_ddps_reducer_gets_an_unfinished_work_and_trains_to_the_same_bits():
     all_reduces return before their data moved, backward goes on, and training ends with the
     parameters of the run where every all_reduce finished in the caller's thread."""
     _lib()
-    queued = run_distributed(_ddp_overlaps, 2, backend="shm", timeout=240, env={"CPUDDP_SHM_ASYNC": "1"})
-    inline = run_distributed(_ddp_overlaps, 2, backend="shm", timeout=240, env={"CPUDDP_SHM_ASYNC": "0"})
+    native_path = {"CPUDDP_SHM_NATIVE": "1"}  # also where CI runs the engine's tests with CPUDDP_SHM_NATIVE=0
+    queued = run_distributed(_ddp_overlaps, 2, backend="shm", timeout=240, env={**native_path, "CPUDDP_SHM_ASYNC": "1"})
+    inline = run_distributed(_ddp_overlaps, 2, backend="shm", timeout=240, env={**native_path, "CPUDDP_SHM_ASYNC": "0"})
     for q, i in zip(queued, inline):
         assert q["progress"] and not i["progress"]
         assert q["finished"] and not all(q["finished"]), q["finished"]  # returned before the data moved
@@ -504,5 +508,6 @@ def _fork_while_queued() -> dict:
 @pytest.mark.slow
 def test_a_child_forked_while_calls_are_queued_cannot_use_the_group_and_the_parent_finishes():
     _lib()
-    for r in run_distributed(_fork_while_queued, 2, backend="shm", timeout=120, env={"CPUDDP_SHM_ASYNC": "1"}):
+    for r in run_distributed(_fork_while_queued, 2, backend="shm", timeout=120,
+                             env={"CPUDDP_SHM_ASYNC": "1", "CPUDDP_SHM_NATIVE": "1"}):
         assert r == {"child": "GroupShutDownError", "status": 0, "sums": [3.0]}, r
