@@ -66,14 +66,14 @@ from .agree import encode
 from .calls import Collectives
 from .channel import Channel, Lifecycle
 from .cross import Hierarchy, SumThenDivide, cross_group
+from .direct import Direct
 from .handover import map_segment
 from .levels import setup_levels
 from .local import LocalEngine
-from .direct import Direct
-from .progress import Progress
 from .node import GroupName, NodePlan, check_local_size, group_name, parse_who, pin_hosts, plan_node, whoami
 from .ops import check_tensors
 from .p2p import PeerLinks
+from .progress import Progress
 from .segment import C_NATIVE
 from .stream import ASYNC_FROM, GatheredWork, Stream, TimedWork, async_setting
 from .wait import Waiter
@@ -146,7 +146,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             self._progress = Progress(self._native, self._on_error, rank)
             threaded = False
         self._stream = Stream(rank, threaded, self._on_error, self._thread_setup)
-        #: the direct route of all_reduce and barrier (native groups that queue nothing)
+        #: the direct route: torch's call to one native call (native groups that queue nothing)
         self._direct = (Direct(self._native, self._life, self._eng.ch.seg, self._stream.exec_lock,  # type: ignore[union-attr]
                                self._on_error, self._plan.local)  # type: ignore[union-attr]
                         if self._native is not None and self._stream.inline and self._progress is None else None)

@@ -91,20 +91,25 @@ class Progress:
                 break
             if ticket != -RC_BUSY:
                 raise torch.distributed.DistBackendError("shm: the group's progress thread is shut down")
-            self._oldest().wait()  # 64 calls in flight: the oldest's result makes room
+            oldest = self._oldest()  # 64 calls in flight: the oldest's result makes room
+            if oldest is not None:
+                oldest.wait()
         with self._cv:
             self._jobs[ticket] = _Job(call, fut, result, keep, after)
             self._cv.notify_all()
         return ShmWork(fut)
 
     def _oldest(self) -> Any:
+        """The oldest queued call's future, or None when none is queued."""
         with self._cv:
-            return self._jobs[min(self._jobs)].fut
+            return self._jobs[min(self._jobs)].fut if self._jobs else None
 
     def drain(self) -> None:
         """Wait until every queued call completed (its error, if any, is its Work's and the group's)."""
-        while self._jobs:
+        while True:
             fut = self._oldest()
+            if fut is None:
+                return
             try:
                 fut.wait()
             except Exception:  # noqa: BLE001 - the call's own Work raises it; the group is broken
@@ -123,10 +128,10 @@ class Progress:
             rc = self._wait(self.engine.ctx, ticket, _WAIT_NS, err)
             while rc == RC_AGAIN:
                 rc = self._wait(self.engine.ctx, ticket, _WAIT_NS, err)
-            self._finish(job, rc, err)
-            with self._cv:
+            with self._cv:  # no longer pending: a callback of its future may issue the next call
                 del self._jobs[ticket]
                 self._cv.notify_all()
+            self._finish(job, rc, err)
             ticket += 1
 
     def _finish(self, job: _Job, rc: int, err: Any) -> None:
