@@ -24,7 +24,7 @@ import torch
 
 from .agree import encode
 from .forms import overlaps, overlaps_elsewhere
-from .ops import flat_bytes
+from .ops import dense, flat_bytes
 from .stream import ShmWork
 
 __all__ = ["Direct"]
@@ -67,22 +67,13 @@ class Direct:
         return work
 
     def all_reduce(self, tensors: Any, opts: Any) -> Optional[ShmWork]:
-        if type(tensors) is not list or len(tensors) != 1 or self.life.state is not self._live or self.seg.forked:
+        if type(tensors) is not list or len(tensors) != 1 or not self._usable() or not _plain(tensors[0]):
             return None
         t = tensors[0]
-        if type(t) is not torch.Tensor or not t.is_cpu or t.layout is not torch.strided or not t.is_contiguous() \
-                or t.is_neg():
-            return None
         op = getattr(getattr(opts, "reduceOp", None), "op", None)
         if op is None:
             return None
-        key = (t.dtype, t.numel(), op)
-        entries = self._entries
-        entry = entries.get(key, False)
-        if entry is False:
-            if len(entries) >= _ENTRIES_MAX:
-                entries.clear()
-            entry = entries[key] = self._entry(t, op)
+        entry = self._shape((t.dtype, t.numel(), op), lambda: self._entry(t, op))
         if entry is None:
             return None
         self._run(entry[0], entry[1], t.data_ptr(), None)
@@ -161,7 +152,7 @@ class Direct:
         return self._finished(output)
 
     def barrier(self) -> Optional[ShmWork]:
-        if self.life.state is not self._live or self.seg.forked:
+        if not self._usable():
             return None
         self._run(self._barrier, self._barrier_entry, None, None)
         return self._finished(None)
@@ -169,5 +160,4 @@ class Direct:
 
 def _plain(t: Any) -> bool:
     """A plain, dense, contiguous CPU tensor (what the library may take as it is)."""
-    return type(t) is torch.Tensor and t.is_cpu and t.layout is torch.strided and t.is_contiguous() \
-        and not t.is_neg() and not t.is_conj()  # ops' dense test
+    return type(t) is torch.Tensor and t.is_cpu and t.layout is torch.strided and dense(t)

@@ -71,7 +71,7 @@ from .handover import map_segment
 from .levels import setup_levels
 from .local import LocalEngine
 from .node import GroupName, NodePlan, check_local_size, group_name, parse_who, pin_hosts, plan_node, whoami
-from .ops import check_tensors
+from .ops import check_tensors, dense
 from .p2p import PeerLinks
 from .progress import Progress
 from .segment import C_NATIVE
@@ -251,7 +251,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         """Does this call go to the progress thread: one is running, the tensors are dense (no
         staging copy to undo afterwards), and the call is big or others are queued (order)?"""
         progress = self._progress
-        if progress is None or not all(t.is_contiguous() and not t.is_conj() and not t.is_neg() for t in tensors):
+        if progress is None or not all(dense(t) for t in tensors):
             return False
         return bool(progress.pending()) or sum(t.numel() * t.element_size() for t in tensors) >= ASYNC_FROM
 

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from cpuddp.errors import BackendError
 
-__all__ = ["reducer", "rows_reducer", "summed", "staged", "flat_bytes", "check_tensors", "AVG", "SUM"]
+__all__ = ["reducer", "rows_reducer", "summed", "staged", "dense", "flat_bytes", "check_tensors", "AVG", "SUM"]
 
 _RedOp = dist.ReduceOp.RedOpType
 AVG, SUM = _RedOp.AVG, _RedOp.SUM
@@ -154,7 +154,7 @@ def check_tensors(tensors: Sequence[Any], what: str) -> None:
                                fix="move the tensor to the CPU (.cpu()) or use a backend for that device")
         if t.layout != torch.strided:
             raise BackendError(f"{what} got a {t.layout} tensor: the shm backend moves dense tensors",
-                               fix="convert it with .to_dense(), or use backend='gloo' for sparse collectives")
+                               fix="convert it with .todense(), or use backend='gloo' for sparse collectives")
 
 
 class staged:  # noqa: N801 - used as a function that returns a context
@@ -165,17 +165,18 @@ class staged:  # noqa: N801 - used as a function that returns a context
 
     def __init__(self, t: torch.Tensor, out: bool) -> None:
         self.t, self.out = t, out
-        self.flat = _flat(t) if _dense(t) else _flat(t.resolve_conj().resolve_neg().contiguous())
+        self.flat = _flat(t) if dense(t) else _flat(t.resolve_conj().resolve_neg().contiguous())
 
     def __enter__(self) -> torch.Tensor:
         return self.flat
 
     def __exit__(self, kind: Optional[type], *_: Any) -> None:
-        if self.out and kind is None and not _dense(self.t):
+        if self.out and kind is None and not dense(self.t):
             self.t.copy_(self.flat.view(self.t.shape))
 
 
-def _dense(t: torch.Tensor) -> bool:
+def dense(t: torch.Tensor) -> bool:
+    """Contiguous, with no conjugate or negative bit: its storage holds its values as they are."""
     return t.is_contiguous() and not t.is_conj() and not t.is_neg()
 
 
