@@ -18,16 +18,14 @@ reduced gradients live in the optimizer's shares, not in the model's ``.grad``. 
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .sharding.distribute import unwrap
 from .sharding.shard import is_fsdp
-from .sharding.zero import ZeroStep, zero_state
+from .sharding.zero import zero_state
 
 __all__ = ["clip_grad_norm_", "no_sync"]
 
@@ -68,31 +66,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     norm of the reduced gradients (the same on every rank).  Call it after backward, before
     ``optimizer.step()``."""
     zero = zero_state(unwrap(model))
-    if zero is not None and zero.sharded:
-        return _clip_shares(zero, float(max_norm), float(norm_type))
+    if zero is not None:  # shard="optimizer", sharded or not yet: its own norm (bit-identical resumes)
+        return zero.clip_grad_norm_(float(max_norm), float(norm_type))
     params = [p for p in unwrap(model).parameters() if p.grad is not None]
     total = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
     full = getattr(total, "full_tensor", None)  # FSDP2: a DTensor
     return full() if callable(full) else total
-
-
-def _clip_shares(zero: ZeroStep, max_norm: float, norm_type: float) -> torch.Tensor:
-    """shard="optimizer": the norm over every rank's share (each tail counted once), then scale."""
-    shares, tails = zero.grad_shares()
-    if not tails or zero.rank != 0:  # the tails are alike on every rank: rank 0 counts them
-        counted = shares
-    else:
-        counted = shares + tails
-    norms = [torch.linalg.vector_norm(g, norm_type) for g in counted]
-    local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros(())
-    if math.isinf(norm_type):
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=zero.group)
-        total = local
-    else:
-        powered = local.pow(norm_type)
-        dist.all_reduce(powered, group=zero.group)
-        total = powered.pow(1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in shares + tails:
-        g.mul_(coef)
-    return total

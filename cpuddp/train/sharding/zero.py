@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .zero_dicts import whole_state
+from .zero_norm import NormPlan, unsharded_norm
 from .zero_plan import ShardPlan, all_gather, reduce_scatter
 from .zero_sync import BucketLayout, StateDictGate
 
@@ -121,6 +122,7 @@ class ZeroStep:
         self._steps = 0
         self.gate = StateDictGate(group)
         self._ddp = ddp
+        self._norms: Optional[tuple] = None  # (the shard plan, its NormPlan)
         ddp.register_forward_pre_hook(lambda *_: self._before_forward())
         ddp.register_comm_hook(self, zero_hook)
         optimizer.register_step_pre_hook(lambda *_: self._before_step())
@@ -232,9 +234,29 @@ class ZeroStep:
         if self.plan is not None:
             self.plan.cut_state(opt.state)
 
-    # ------------------------------------------------------------------ for clip_grad_norm_
+    # ------------------------------------------------------------------ clip_grad_norm_
 
-    def grad_shares(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The reduced gradients: this rank's shares, and the tails every rank holds alike."""
-        buckets = self.plan.buckets.values() if self.plan is not None else ()
-        return ([b.grad for b in buckets if b.grad.numel()], [b.tail for b in buckets if b.tail.numel()])
+    def clip_grad_norm_(self, max_norm: float, norm_type: float) -> torch.Tensor:
+        """Scale the reduced gradients to a total norm of at most ``max_norm``, as torch's
+        ``clip_grad_norm_`` does; the norm is computed to the same bits before and after the
+        sharding starts (:mod:`cpuddp.train.sharding.zero_norm`), so a resumed run that clips stays
+        bit-identical.  Returns the total norm (the same on every rank)."""
+        params = self._norm_params()
+        if self.plan is None:  # every rank holds every reduced gradient
+            total = unsharded_norm(params, norm_type)
+            grads = [p.grad for p in params if p.grad is not None]
+        else:
+            if self._norms is None or self._norms[0] is not self.plan:
+                self._norms = (self.plan, NormPlan.build(self.plan, params, self.rank, self.world))
+            total = self._norms[1].norm(norm_type, self.group)
+            buckets = self.plan.buckets.values()
+            grads = [t for b in buckets for t in (b.grad, b.tail) if t.numel()]
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef)
+        return total
+
+    def _norm_params(self) -> list[torch.Tensor]:
+        """The parameters DDP reduces, in the model's order: the order of the norm's blocks."""
+        ignored = getattr(self._ddp, "parameters_to_ignore", ())
+        return [p for n, p in self._ddp.module.named_parameters() if p.requires_grad and n not in ignored]
