@@ -20,7 +20,6 @@ it, the TYPE_CHECKING imports and the deprecated aliases together.
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 from ._package import __version__, lazy_names
@@ -106,8 +105,9 @@ def __getattr__(name: str) -> Any:
     if name in _DEPRECATED:
         module, new = _DEPRECATED[name]
         path = f"cpuddp.{new}" if new in _EXPORTS else f"cpuddp.{module}.{new}"
-        warnings.warn(f"cpuddp.{name} is deprecated and goes in the next release; use {path}",
-                      DeprecationWarning, stacklevel=2)
+        from .errors import warn
+
+        warn(f"cpuddp.{name} is deprecated and goes in the next release; use {path}", DeprecationWarning)
         return getattr(importlib.import_module(f"cpuddp.{module}"), new)
     return _load(name)
 

@@ -4,11 +4,20 @@ Every error speaks in one voice: what was found (the variable, its value and the
 that set it), why it is wrong, and -- on the last line of the message -- what to do.  They
 carry structured fields and pickle cleanly, because they cross process boundaries (a rank's
 error is reported by the parent in :mod:`cpuddp.testing`).
+
+A warning speaks from the same place: :func:`warn` names the user's line -- the first frame
+outside cpuddp and torch -- whatever depth inside cpuddp (a checkpoint path check four calls
+down) or torch (a hook that runs during ``backward()`` or ``optimizer.step()``) raises it, so no
+caller counts a ``stacklevel``: Python 3.12's ``skip_file_prefixes`` where it exists, else a
+walk up the stack.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import os
+import sys
+import warnings
+from typing import Any, Optional, Type
 
 __all__ = [
     "CpuddpError",
@@ -21,7 +30,7 @@ __all__ = [
     "RankFailedError",
     "first_line",
     "how_it_ended",
-]
+]  # warn (below) is cpuddp's own, not a public name
 
 
 def how_it_ended(code: Optional[int]) -> str:
@@ -167,3 +176,44 @@ class RankFailedError(CpuddpError, RuntimeError):
 
     def _fields(self) -> dict[str, Any]:
         return {"rank": self.rank, "traceback": self.traceback, "fix": self.fix}
+
+
+# --------------------------------------------------------------------------- warnings
+
+_HERE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def internal_prefixes() -> tuple[str, ...]:
+    """The directories whose frames a warning skips: cpuddp's, and torch's when it is imported."""
+    torch = sys.modules.get("torch")
+    where: Optional[str] = getattr(torch, "__file__", None)
+    if not where:
+        return (_HERE,)
+    return (_HERE, os.path.dirname(os.path.abspath(where)) + os.sep)
+
+
+def user_stacklevel(prefixes: tuple[str, ...], skip: int = 1) -> int:
+    """The ``stacklevel`` of the first frame outside ``prefixes`` above the caller's ``skip``-th
+    frame (1: the function calling this one), as ``warnings.warn`` counts from its caller."""
+    frame = sys._getframe(skip + 1)
+    level = 1
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(prefixes):
+        frame = frame.f_back
+        while frame.f_back is not None and _importlib(frame):  # warnings.warn does not count these
+            frame = frame.f_back
+        level += 1
+    return level
+
+
+def _importlib(frame) -> bool:
+    name = frame.f_code.co_filename
+    return "importlib" in name and "_bootstrap" in name
+
+
+def warn(message: str, category: Type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)`` naming the user's line (see the module doc)."""
+    prefixes = internal_prefixes()
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=prefixes)
+        return
+    warnings.warn(message, category, stacklevel=user_stacklevel(prefixes, skip=1) + 1)

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
+
+from cpuddp.errors import warn
 
 __all__ = ["DistEnv", "Source", "Provenance", "DEFAULT_PORT", "PORT_RANGE"]
 
@@ -105,12 +106,8 @@ class Provenance(str):
 
 
 def _deprecated(name: str, instead: str) -> None:
-    warnings.warn(
-        f"DistEnv.{name} is deprecated and will be removed in the next release: DistEnv holds the "
-        f"launcher's facts only; use {instead}",
-        DeprecationWarning,
-        stacklevel=3,
-    )
+    warn(f"DistEnv.{name} is deprecated and will be removed in the next release: DistEnv holds the "
+         f"launcher's facts only; use {instead}", DeprecationWarning)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,6 @@ resume where it stopped saves everything with :func:`cpuddp.save_checkpoint`
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any, Optional, Union
 
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpuddp.errors import CheckpointError, PrepareError
+from cpuddp.errors import CheckpointError, PrepareError, warn
 from cpuddp.ranks import get_rank
 from cpuddp.ranks import group_rank_world as _rank_world
 
@@ -102,7 +101,7 @@ def _cpu_runs_bf16() -> bool:
     ok, why = precision.cpu_bf16_support()
     dtype, reason = precision.decide_precision("bf16", strict=False, cpu_bf16=ok, reason=why)
     if dtype is None and get_rank() == 0:  # once per job, not per rank
-        warnings.warn(f"cpuddp.autocast_for: {reason}", stacklevel=3)
+        warn(f"cpuddp.autocast_for: {reason}")
     return dtype is not None
 
 
@@ -110,8 +109,7 @@ def autocast(
     model: Optional[nn.Module] = None, *, enabled: Optional[bool] = None, dtype: torch.dtype = torch.bfloat16
 ) -> torch.autocast:
     """Deprecated alias of :func:`autocast_for` (its name shadowed ``torch.autocast``)."""
-    warnings.warn("cpuddp.autocast is deprecated (it shadows torch.autocast); use cpuddp.autocast_for",
-                  DeprecationWarning, stacklevel=2)
+    warn("cpuddp.autocast is deprecated (it shadows torch.autocast); use cpuddp.autocast_for", DeprecationWarning)
     return autocast_for(model, enabled=enabled, dtype=dtype)
 
 
@@ -232,7 +230,7 @@ def _whole_state(core: nn.Module) -> Any:
 
 def read_state(path: str, check_permissions: bool = True) -> Any:
     """``torch.load`` of a file this user owns (:func:`cpuddp.train.checkpoint.paths.open_own_file`), tensors only."""
-    with open_own_file(path, check_permissions=check_permissions, stacklevel=5) as f:
+    with open_own_file(path, check_permissions=check_permissions) as f:
         return load_tensors(f, path)
 
 

@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -74,7 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpuddp.errors import PrepareError
+from cpuddp.errors import PrepareError, warn
 from cpuddp.ranks import get_rank, require_group
 
 from .common.comm import bf16_allreduce_hook, bf16_allreduce_supported
@@ -178,8 +177,7 @@ def prepared_info(model: nn.Module) -> Optional[PrepareInfo]:
 
 # --------------------------------------------------------------------------- the steps
 # Each step is called once by prepare(), directly or through one helper (_prepared_again,
-# _optimize, _precision_hooks); a step that warns does so with stacklevel=3 (the step, prepare,
-# the user's call), so prepare() calls it directly.
+# _optimize, _precision_hooks); a warning names the user's line (cpuddp.errors.warn).
 
 
 def _already_prepared(
@@ -264,7 +262,7 @@ def _choose_precision(mixed_precision: Optional[str], strict: bool) -> tuple[Opt
     cpu_bf16, cpu_reason = cpu_bf16_support() if mixed_precision in ("bf16", "auto") else (False, "")
     dtype, reason = decide_precision(mixed_precision, strict=strict, cpu_bf16=cpu_bf16, reason=cpu_reason)
     if mixed_precision == "bf16" and dtype is None and get_rank() == 0:  # once per job, not per rank
-        warnings.warn(f"cpuddp.prepare: {reason}", stacklevel=3)
+        warn(f"cpuddp.prepare: {reason}")
     _log.info("precision: %s", reason)
     return dtype, reason
 

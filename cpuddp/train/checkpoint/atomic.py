@@ -115,7 +115,7 @@ def write_atomically(path: str, write: Callable[[BinaryIO], None], *, needed: Op
     is left as it was.  ``needed``: the bytes the file will take, when known (for the
     free-space check and the error).  ``check_permissions=False`` warns about a directory
     another user can change instead of refusing it."""
-    target = checked_entry(path, check_permissions=check_permissions, stacklevel=4, make=True)
+    target = checked_entry(path, check_permissions=check_permissions, make=True)
     directory = os.path.dirname(target)
     check_free_space(path, needed)
     remove_leftovers(directory)

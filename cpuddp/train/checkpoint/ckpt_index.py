@@ -86,7 +86,7 @@ def read_record(directory: str, check_permissions: bool = True) -> Optional[set[
     """The names in ``directory``'s record; None when it has none."""
     path = os.path.join(directory, RECORD_FILE)
     try:
-        f = open_own_file(path, check_permissions=check_permissions, stacklevel=4)
+        f = open_own_file(path, check_permissions=check_permissions)
     except FileNotFoundError:
         return None
     with f:

@@ -48,12 +48,11 @@ import os
 import pwd
 import stat
 import struct
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from cpuddp._units import format_size
-from cpuddp.errors import CheckpointError
+from cpuddp.errors import CheckpointError, warn
 
 __all__ = ["check_directory", "private_directory", "checked_entry", "open_own_file", "make_private_dirs",
            "space_error", "check_free_space", "is_space_error", "state_nbytes", "SPACE_ERRNOS"]
@@ -225,7 +224,7 @@ def _walk(path: str, uid: int) -> _Walk:
             walk.real = here
 
 
-def _refuse(problems: list[str], path: str, fix: str, check_permissions: bool, stacklevel: int,
+def _refuse(problems: list[str], path: str, fix: str, check_permissions: bool,
             harm: str = "another user could replace the checkpoint") -> None:
     if not problems:
         return
@@ -233,18 +232,18 @@ def _refuse(problems: list[str], path: str, fix: str, check_permissions: bool, s
     full_fix = f"{fix}; or pass check_permissions=False to accept it (with a warning)"
     if check_permissions:
         raise CheckpointError(msg, path=path, fix=full_fix)
-    warnings.warn(f"cpuddp: {msg} (check_permissions=False: going on)", stacklevel=stacklevel)
+    warn(f"cpuddp: {msg} (check_permissions=False: going on)")
 
 
-def check_directory(directory: str, *, check_permissions: bool = True, stacklevel: int = 3) -> str:
+def check_directory(directory: str, *, check_permissions: bool = True) -> str:
     """Refuse (or warn about) a checkpoint directory another user can change, or redirect with a
     symbolic link (the module doc); return its real path, every link resolved: work through that."""
     walk = _walk(directory, os.geteuid())
-    _refuse(walk.directories, directory, _DIRECTORY_FIX, check_permissions, stacklevel + 1)
+    _refuse(walk.directories, directory, _DIRECTORY_FIX, check_permissions)
     _refuse(walk.links, directory,
             "remove the link named (or have its owner remove it) and make the directory yourself, or pass a path "
             "without it; a link of your own works in a directory only you can write, or in a sticky one",
-            check_permissions, stacklevel + 1,
+            check_permissions,
             harm="whoever made the link chooses which checkpoints are resumed, written over and pruned")
     return walk.real
 
@@ -273,12 +272,12 @@ def make_private_dirs(directory: str) -> bool:
     return bool(missing)
 
 
-def private_directory(directory: str, *, check_permissions: bool = True, stacklevel: int = 3) -> str:
+def private_directory(directory: str, *, check_permissions: bool = True) -> str:
     """:func:`check_directory`, the missing directories made ``0700``, and -- when one was made --
     the check again (another user may have made it first, in a sticky directory); the real path."""
-    real = check_directory(directory, check_permissions=check_permissions, stacklevel=stacklevel + 1)
+    real = check_directory(directory, check_permissions=check_permissions)
     if make_private_dirs(real):
-        real = check_directory(real, check_permissions=check_permissions, stacklevel=stacklevel + 1)
+        real = check_directory(real, check_permissions=check_permissions)
     return real
 
 
@@ -292,14 +291,14 @@ def _split(path: str) -> tuple[str, str]:
     return head or ".", name
 
 
-def checked_entry(path: str, *, check_permissions: bool = True, stacklevel: int = 3, make: bool = False) -> str:
+def checked_entry(path: str, *, check_permissions: bool = True, make: bool = False) -> str:
     """The real path of what ``path`` names: its directory checked whole and resolved
     (:func:`check_directory`; ``make``: :func:`private_directory`), its last component kept as it is
     -- never followed, so that the caller refuses a link there (``lstat``, ``O_NOFOLLOW``) or
     replaces it (a rename)."""
     head, name = _split(path)
     check = private_directory if make else check_directory
-    real = check(head, check_permissions=check_permissions, stacklevel=stacklevel + 1)
+    real = check(head, check_permissions=check_permissions)
     return os.path.join(real, name) if name else real
 
 
@@ -316,21 +315,21 @@ def _open_no_link(real: str, path: str) -> int:
                               ) from None
 
 
-def _refuse_hard_links(path: str, st: os.stat_result, check_permissions: bool, stacklevel: int) -> None:
+def _refuse_hard_links(path: str, st: os.stat_result, check_permissions: bool) -> None:
     """A file to load with a second name (a hard link) is refused: the name may have been planted."""
     if st.st_nlink <= 1:
         return
     _refuse([f"file {path!r} has {st.st_nlink} hard links"], path,
             f"if the other name is yours (a backup made with ln or cp -l), load a copy (cp) instead; "
-            f"otherwise remove {path!r}", check_permissions, stacklevel + 1,
+            f"otherwise remove {path!r}", check_permissions,
             harm="another user can give one of your files a second name, so that it loads in place of the one meant")
 
 
-def open_own_file(path: str, *, check_permissions: bool = True, stacklevel: int = 3) -> Any:
+def open_own_file(path: str, *, check_permissions: bool = True) -> Any:
     """Open ``path`` for reading (a binary file object) after checking, on the open descriptor,
     that only this user (or root) can have written it and that it has one name, and that its
     directories and links are safe (it is opened in the checked directory)."""
-    real = checked_entry(path, check_permissions=check_permissions, stacklevel=stacklevel + 1)
+    real = checked_entry(path, check_permissions=check_permissions)
     fd = _open_no_link(real, path)
     try:
         st = os.fstat(fd)
@@ -341,8 +340,8 @@ def open_own_file(path: str, *, check_permissions: bool = True, stacklevel: int 
         problem = _problem(path, st, os.geteuid(), "file")
         _refuse([problem] if problem else [], path,
                 "load only files you wrote yourself (chown them, or copy them into a directory of your own)",
-                check_permissions, stacklevel + 1)
-        _refuse_hard_links(path, st, check_permissions, stacklevel + 1)
+                check_permissions)
+        _refuse_hard_links(path, st, check_permissions)
         return os.fdopen(fd, "rb")
     except BaseException:
         os.close(fd)

@@ -178,7 +178,7 @@ def list_checkpoints(directory: Union[str, os.PathLike], *, check_permissions: b
     as given; complete ones that cpuddp wrote, owned by you: :mod:`cpuddp.train.checkpoint.ckpt_index`),
     listed in the checked directory (:func:`cpuddp.train.checkpoint.paths.check_directory`)."""
     path = os.fspath(directory)
-    real = check_directory(path, check_permissions=check_permissions, stacklevel=3)
+    real = check_directory(path, check_permissions=check_permissions)
     found = checkpoints(real, check_permissions=check_permissions)
     return [os.path.join(path, os.path.basename(c.path)) for c in found]
 
@@ -192,7 +192,7 @@ def _take_directory(directory: str, check_permissions: bool, step: int, name: st
     leftovers cleaned (a replaced checkpoint restored), the abandoned line moved aside, the
     new name recorded.  Returns its real path (every link resolved), checked whole: the save,
     the record and ``keep=`` work through it, never through a link another user could change."""
-    real = private_directory(directory, check_permissions=check_permissions, stacklevel=7)
+    real = private_directory(directory, check_permissions=check_permissions)
     hold_directory(real)
     remove_dead_dirs(real)
     supersede(real, step, check_permissions)
@@ -282,7 +282,7 @@ def _find(path: str, check_permissions: bool) -> Optional[list[str]]:
     whole and looked into by their real path (:func:`cpuddp.train.checkpoint.paths.check_directory`:
     no link another user could have made); ``path`` itself is never a symlink.  The path
     returned is under ``path`` as given (every rank reads a sharded one)."""
-    real = checked_entry(path, check_permissions=check_permissions, stacklevel=6)
+    real = checked_entry(path, check_permissions=check_permissions)
     try:
         st = os.lstat(real)
     except FileNotFoundError:
@@ -290,7 +290,7 @@ def _find(path: str, check_permissions: bool) -> Optional[list[str]]:
     if stat.S_ISLNK(st.st_mode) and os.path.isdir(real) and not _is_dcp_dir(real):
         # a directory of checkpoints through a link: followed where the walk trusts it
         # (``$HOME/ckpt -> /scratch/me/ckpt``), refused where another user could have made it
-        real = check_directory(path, check_permissions=check_permissions, stacklevel=6)
+        real = check_directory(path, check_permissions=check_permissions)
         st = os.lstat(real)
     if stat.S_ISLNK(st.st_mode):
         raise CheckpointError(f"{path!r} is a symbolic link: a checkpoint is never loaded through one (whoever "
@@ -304,7 +304,7 @@ def _find(path: str, check_permissions: bool) -> Optional[list[str]]:
     if not stat.S_ISDIR(st.st_mode):
         raise CheckpointError(f"{path!r} is neither a checkpoint nor a directory ({stat.filemode(st.st_mode)})",
                               path=path, fix="pass the directory save_checkpoint() wrote, or one checkpoint in it")
-    check_directory(real, check_permissions=check_permissions, stacklevel=6)
+    check_directory(real, check_permissions=check_permissions)
     busy = while_free(real, lambda: remove_dead_dirs(real))  # a killed replacement's checkpoint restored
     if busy:
         _log.warning("another job writes checkpoints in %r (%s holds its lock): reading its newest checkpoint; this "
@@ -339,7 +339,7 @@ def _tell_world(saved: int, world: int) -> None:
 
 
 def _read_bytes(path: str, check_permissions: bool) -> bytes:
-    with open_own_file(path, check_permissions=check_permissions, stacklevel=6) as f:
+    with open_own_file(path, check_permissions=check_permissions) as f:
         return f.read()
 
 

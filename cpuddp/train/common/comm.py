@@ -9,14 +9,13 @@ under another name.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpuddp.errors import PrepareError
+from cpuddp.errors import PrepareError, warn
 
 __all__ = ["COMM_HOOKS", "bf16_allreduce_supported", "bf16_allreduce_hook", "check_comm_hook", "register_hook"]
 
@@ -82,11 +81,10 @@ def check_comm_hook(comm_hook: Any) -> None:
 
 
 def register_hook(ddp: nn.Module, comm_hook: Any, group: Any, strict: bool, notes: list[str],
-                  *, stacklevel: int = 3) -> Optional[str]:
+) -> Optional[str]:
     """Register ``comm_hook`` on the DDP module; the name it is known by (None: no hook).
 
-    ``"bf16"`` is probed first: when the backend cannot all-reduce bf16, warn (``stacklevel``
-    from here) and keep fp32, or raise :class:`PrepareError` when ``strict``.
+    ``"bf16"`` is probed first: when the backend cannot all-reduce bf16, warn and keep fp32, or raise :class:`PrepareError` when ``strict``.
     """
     if comm_hook is None:
         return None
@@ -101,7 +99,7 @@ def register_hook(ddp: nn.Module, comm_hook: Any, group: Any, strict: bool, note
             if strict:
                 raise PrepareError(f'comm_hook="bf16" requested, but {why}.', fix='use comm_hook="fp16" or None')
             msg = f'comm_hook="bf16" requested, but {why}: gradients are all-reduced in fp32'
-            warnings.warn(msg, stacklevel=stacklevel)
+            warn(msg)
             notes.append(msg)
             return None
         ddp.register_comm_hook(group, bf16_allreduce_hook)

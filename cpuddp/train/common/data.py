@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, NamedTuple, Optional, Union
 
@@ -35,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from cpuddp.affinity import pin as affinity
-from cpuddp.errors import CheckpointError, PrepareError
+from cpuddp.errors import CheckpointError, PrepareError, warn
 from cpuddp.ranks import group_rank_world as _rank_world
 from cpuddp.ranks import require_group
 
@@ -187,11 +186,11 @@ def _skip_by_batches(loader: ShardedLoader, state: Mapping[str, Any], consumed: 
                   or isinstance(loader.loader.sampler, SequentialSampler))
     if same_world and repeatable:
         return consumed
-    warnings.warn(
+    warn(
         f"cpuddp: epoch {loader.epoch} restarts from its beginning: this DataLoader's order cannot be "
         "repeated " + ("at another world size" if not same_world else "(it shuffles with torch's global "
                        "random state)") + "; build the loader with cpuddp.shard(dataset, batch_size=...) "
-        "to resume mid-epoch", stacklevel=3)
+        "to resume mid-epoch")
     return 0
 
 

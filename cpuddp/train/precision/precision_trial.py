@@ -36,14 +36,13 @@ import logging
 import os
 import statistics
 import time
-import warnings
 from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cpuddp.errors import PrepareError
+from cpuddp.errors import PrepareError, warn
 from cpuddp.ranks import group_rank_world
 
 from .bf16 import AutocastHooks
@@ -159,15 +158,15 @@ class PrecisionTrial(AutocastHooks):
         return float(medians[0]), float(medians[1])
 
     def _decide(self, fp32_s: float, bf16_s: float) -> None:
-        keep, self.reason, warn = verdict(self.requested, fp32_s, bf16_s)
+        keep, self.reason, loud = verdict(self.requested, fp32_s, bf16_s)
         steps = len(self.times[False]) + len(self.times[True])
         if steps < len(self.plan) - WARM:
             self.reason += f" (decided after {steps} measured steps: every step of one took over {EARLY:g}x the other's)"
         self.bf16 = keep
         if group_rank_world(None)[0] == 0:
             _log.warning("precision: %s", self.reason)
-            if warn:
-                warnings.warn(f"cpuddp.prepare: {self.reason}", stacklevel=2)
+            if loud:
+                warn(f"cpuddp.prepare: {self.reason}")
         if self.on_decide is not None:
             self.on_decide(keep, self.reason)
 

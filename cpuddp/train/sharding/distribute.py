@@ -78,7 +78,7 @@ def _gradient_hook(ddp: nn.Module, optimizer: Optional[torch.optim.Optimizer], s
         notes.append("shard='optimizer': gradients reduce-scattered, optimizer state sharded (from the step after "
                      "DDP's bucket layout settles; the steps before run as DDP)")
         return "reduce_scatter"
-    return register_hook(ddp, options.comm_hook, options.process_group, options.strict, notes, stacklevel=5)
+    return register_hook(ddp, options.comm_hook, options.process_group, options.strict, notes)
 
 
 def compile_model(module: nn.Module, compile: Union[bool, Mapping[str, Any]]) -> tuple[nn.Module, bool]:

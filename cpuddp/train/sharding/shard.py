@@ -20,14 +20,13 @@ repeated layers of a ``ModuleList`` -- transformer blocks -- and ``nn.Transforme
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 
-from cpuddp.errors import PrepareError
+from cpuddp.errors import PrepareError, warn
 from cpuddp.ranks import log0
 
 from .options import Shard
@@ -206,10 +205,8 @@ def _check_elementwise(model: nn.Module, optimizer: Optional[torch.optim.Optimiz
             f"for element-wise optimizers ({', '.join(ELEMENTWISE)} from torch.optim); got {name}.",
             fix='use shard="full" (FSDP2 works with any optimizer), or one of those optimizers')
     if any(g.get("fused") for g in optimizer.param_groups):
-        # stacklevel: here, check_shardable, prepare's _shard step, prepare, the user's call
-        warnings.warn(f"cpuddp shard='optimizer' with fused=True: {UNFUSED_WHY}; a resumed run will not continue "
-                      "bit-identically. Fix: leave fused unset (cpuddp then keeps the foreach step)", RuntimeWarning,
-                      stacklevel=5)
+        warn(f"cpuddp shard='optimizer' with fused=True: {UNFUSED_WHY}; a resumed run will not continue "
+             "bit-identically. Fix: leave fused unset (cpuddp then keeps the foreach step)", RuntimeWarning)
     held = {id(p) for g in optimizer.param_groups for p in g["params"]}
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if missing:

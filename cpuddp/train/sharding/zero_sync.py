@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 import zlib
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from cpuddp.errors import PrepareError
+from cpuddp.errors import PrepareError, warn
 
 __all__ = ["WARN_AFTER", "WARN_WAIT", "REASONS", "local_verdict", "decide_start", "agree_start",
            "BucketLayout", "StateDictGate", "ALONE_FIX"]
@@ -148,10 +147,9 @@ class StateDictGate:
                     "other ranks; it is a collective (it gathers every rank's share).", fix=ALONE_FIX)
             if waited > WARN_WAIT and not warned:
                 warned = True
-                warnings.warn(
-                    f"cpuddp shard='optimizer': rank {self.rank} has waited {WARN_WAIT:.0f} s in "
-                    f"optimizer.state_dict() for the other ranks (it gathers every rank's share): if only some "
-                    f"ranks call it, {ALONE_FIX}.", RuntimeWarning, stacklevel=4)
+                warn(f"cpuddp shard='optimizer': rank {self.rank} has waited {WARN_WAIT:.0f} s in "
+                     f"optimizer.state_dict() for the other ranks (it gathers every rank's share): if only some "
+                     f"ranks call it, {ALONE_FIX}.", RuntimeWarning)
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
 
@@ -190,7 +188,6 @@ class BucketLayout:
             raise PrepareError(f"shard='optimizer' cannot shard: {why}", fix="prepare the same model on every rank")
         self.waiting = None if verdict == "shard" else why
         if verdict != "shard" and steps == WARN_AFTER:
-            warnings.warn(f"cpuddp shard='optimizer': the optimizer is still not sharded after {steps} steps "
-                          f"(every rank steps the whole optimizer state, as DDP does): {why}", RuntimeWarning,
-                          stacklevel=4)
+            warn(f"cpuddp shard='optimizer': the optimizer is still not sharded after {steps} steps "
+                 f"(every rank steps the whole optimizer state, as DDP does): {why}", RuntimeWarning)
         return verdict == "shard"
