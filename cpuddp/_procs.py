@@ -11,7 +11,10 @@ and ``cpuddp bench --nproc``.
   (:func:`cpuddp.launchers.clean_environ`), plus ``extra``, plus ``RANK``, ``WORLD_SIZE``,
   ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, ``MASTER_PORT``,
   ``TORCHELASTIC_USE_AGENT_STORE``, ``TORCHELASTIC_RESTART_COUNT=0`` and
-  :data:`STACK_FILE_ENV` (where the rank writes its Python stack when asked).
+  :data:`STACK_FILE_ENV` (where the rank writes its Python stack when asked); and
+  :data:`NUMPY_WARNING_FILTER` appended to ``PYTHONWARNINGS``: torch warns "Failed to
+  initialize NumPy" at every import where numpy is not installed, and this process has said
+  it once already (it imported torch to host the store), so its ranks do not say it again.
 * **Stacks of hung ranks**: a rank calls :func:`rank_setup` first thing; it registers
   ``faulthandler`` on SIGUSR1 (and on crashes) into its stack file, and only then makes the
   file visible, so :meth:`LocalWorld.dump_stacks` signals only ranks that can answer (SIGUSR1
@@ -48,7 +51,8 @@ import tempfile
 import time
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
-__all__ = ["LocalWorld", "Command", "start_command", "wait_exit_codes", "rank_setup", "STACK_FILE_ENV"]
+__all__ = ["LocalWorld", "Command", "start_command", "wait_exit_codes", "rank_setup", "STACK_FILE_ENV",
+           "NUMPY_WARNING_FILTER", "without_numpy_warning"]
 
 #: Where a rank started by :class:`LocalWorld` writes its Python stack (read by :func:`rank_setup`).
 STACK_FILE_ENV = "CPUDDP_STACK_FILE"
@@ -56,6 +60,11 @@ STACK_FILE_ENV = "CPUDDP_STACK_FILE"
 KILL_AFTER = 2.0
 #: How long :meth:`LocalWorld.dump_stacks` waits for the ranks' answers.
 STACK_WAIT = 2.0
+
+#: A ``PYTHONWARNINGS`` entry: torch's own warning at import where numpy is not installed
+#: ("Failed to initialize NumPy: No module named 'numpy'"; cpuddp needs no numpy), said once by
+#: the process that starts the ranks, left out in each process it starts (issue 46).
+NUMPY_WARNING_FILTER = "ignore:Failed to initialize NumPy:UserWarning"
 
 #: Set by the launcher for each rank; a caller's ``extra`` may not override them.
 RANK_CONTROLLED = (
@@ -95,11 +104,21 @@ def world_environ(environ: Mapping[str, str], world_size: int, port: int, *, ext
         raise ValueError(f"the launcher sets {taken} for each rank; they cannot be overridden")
     env = clean_environ(environ, strip_backend_settings=strip_backend_settings)
     env.update(extra)
+    env.update(without_numpy_warning(env))
     env.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
     )
     return env
+
+
+def without_numpy_warning(environ: Mapping[str, str]) -> dict[str, str]:
+    """``{"PYTHONWARNINGS": ...}``: ``environ``'s own filters, then :data:`NUMPY_WARNING_FILTER`
+    (the last filter that matches a warning wins, so the user's others still apply)."""
+    own = environ.get("PYTHONWARNINGS", "")
+    if NUMPY_WARNING_FILTER in own.split(","):
+        return {"PYTHONWARNINGS": own}
+    return {"PYTHONWARNINGS": ",".join(filter(None, [own, NUMPY_WARNING_FILTER]))}
 
 
 class LocalWorld:

@@ -62,9 +62,15 @@ _STARTED = time.perf_counter()  # the summary's wall time includes importing tor
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+import warnings  # noqa: E402
 from typing import Any, Optional, Sequence  # noqa: E402
+
+# Where numpy is not installed torch warns "Failed to initialize NumPy" at import, in every
+# process: torchrun's own says it once; this example needs no numpy, so its ranks do not repeat it.
+warnings.filterwarnings("ignore", "Failed to initialize NumPy", UserWarning)
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -267,7 +273,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--save-every", type=int, default=0, help="with --checkpoint-dir: a checkpoint every N steps "
                     "(default: only at the end)")
     ap.add_argument("--stop-after", type=int, default=None, help="stop after this step, as a preempted job would "
-                    "(with --checkpoint-dir: saved there; run again to go on)")
+                    "(with --checkpoint-dir: saved there; run again without it, or with a later one, to go on)")
     ap.add_argument("--result-json", help="write the result as JSON here (rank 0)")
     return ap.parse_args(argv)
 
@@ -295,8 +301,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   + (", fused AdamW" if info.fused_optimizer else ""))
 
     start, first_loss = resume(args, model, optimizer, scheduler, loader)
+    if start >= last_step(args):
+        cpuddp.print0(nothing_to_do(args, start))
     model.train()
-    warmup = min(warmup, max(0, args.steps - start - 1))
+    warmup = min(warmup, max(0, last_step(args) - start - 1))
     with cpuddp.Progress(args.steps, start=min(start, args.steps), samples_per_step=per_step, every=args.log_every,
                          warmup=warmup) as progress:
         first_loss = train_steps(args, model, optimizer, scheduler, loader, progress, start, warmup, first_loss)
@@ -305,6 +313,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "samples_per_s": timed.samples_per_s, "loss": cpuddp.reduce_mean(timed.loss), "first_loss": first_loss,
         "accuracy": evaluate(model, args) if args.eval_samples > 0 else None,
         "replicas_identical": replicas_identical(model), "eval_samples": args.eval_samples, "steps": args.steps,
+        "steps_done": max(start, timed.steps), "steps_run": max(0, timed.steps - start),
         "warmup_steps": warmup, "train_seconds": timed.seconds, "wall_seconds": time.perf_counter() - _STARTED,
         "batch_size_per_rank": args.batch_size, "world_size": env.world_size,
         "threads_per_rank": torch.get_num_threads(), "backend": backend, "ranks": timed.ranks,
@@ -314,6 +323,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.save:
         cpuddp.save_state_dict(model, args.save)
     cpuddp.print0(summary(result))
+    if start < timed.steps < args.steps:
+        cpuddp.print0(stopped_early(args, timed.steps))
     if args.result_json and cpuddp.is_main_process():
         with open(args.result_json, "w", encoding="utf-8") as fh:
             json.dump(result, fh, indent=1)
@@ -366,11 +377,35 @@ def resume(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Op
     return state.step, state.extra.get("first_loss")
 
 
+def last_step(args: argparse.Namespace) -> int:
+    """The step this run stops after: ``--steps``, or an earlier ``--stop-after``."""
+    return min(args.steps, args.stop_after or args.steps)
+
+
+def nothing_to_do(args: argparse.Namespace, start: int) -> str:
+    """What a run resumed at or past its last step says instead of training."""
+    if start >= args.steps:
+        return (f"already at step {start} of {args.steps} (the checkpoint in {args.checkpoint_dir}): nothing to do; "
+                "the run is finished (train anew with another --checkpoint-dir)")
+    return (f"already at step {start} of {args.steps} (the checkpoint in {args.checkpoint_dir}), and --stop-after "
+            f"{args.stop_after}: nothing to do; run the command again without --stop-after, or with one after "
+            f"{start}, to go on")
+
+
+def stopped_early(args: argparse.Namespace, step: int) -> str:
+    """The last line of a run that ``--stop-after`` ended before ``--steps``: it is unfinished."""
+    head = f"stopped early at step {step} of {args.steps} (--stop-after {args.stop_after}), as a preempted job would"
+    if not args.checkpoint_dir:
+        return head + "; nothing was saved (no --checkpoint-dir): add --checkpoint-dir DIR to be able to go on"
+    return (f"{head}; the run is unfinished: run the command again without --stop-after (or with one after {step}) "
+            f"to go on from the checkpoint in {args.checkpoint_dir}")
+
+
 def train_steps(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                 loader: Any, progress: Any, start: int, warmup: int, first_loss: Optional[float]) -> Optional[float]:
-    """Steps ``start + 1`` to ``--steps``; a checkpoint every ``--save-every`` steps and at the end."""
+    """Steps ``start + 1`` to :func:`last_step`; a checkpoint every ``--save-every`` steps and at the last."""
     batches = iter(loader)
-    last = min(args.steps, args.stop_after or args.steps)
+    last = last_step(args)
     for step in range(start + 1, last + 1):
         try:
             batch = next(batches)
@@ -383,7 +418,7 @@ def train_steps(args: argparse.Namespace, model: nn.Module, optimizer: torch.opt
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        if step in (start + warmup, args.steps):
+        if step in (start + warmup, last):
             cpuddp.barrier()  # samples/s from barrier to barrier: every rank's steps are done
         progress.update(loss=loss.item())
         if progress.step - start == progress.every and first_loss is None:
@@ -397,17 +432,26 @@ def train_steps(args: argparse.Namespace, model: nn.Module, optimizer: torch.opt
 def summary(r: dict) -> str:
     """The lines printed at the end (rank 0)."""
     acc = "not measured" if r["accuracy"] is None else f"{r['accuracy']:.3f} on {r['eval_samples']} held-out pairs (chance 0.5)"
-    first = "" if r["first_loss"] is None else f"{r['first_loss']:.3f} -> "
     return "\n".join([
         f"done in {format_duration(r['wall_seconds'])} wall ({r['wall_seconds']:.0f} s, torch import "
         f"included; training {r['train_seconds']:.0f} s)",
         f"  accuracy {acc} | weights identical on every rank: {'yes' if r['replicas_identical'] else 'NO'}",
-        f"  loss {first}{r['loss']:.3f} | {r['samples_per_s']:.0f} samples/s "
-        f"({r['world_size']} rank(s) x {r['threads_per_rank']} thread(s), batch {r['batch_size_per_rank']}/rank)",
+        f"  {loss_text(r)}",
         f"  {r['ranks']}",
         f"  backend {r['backend'] or 'none (1 process)'} | launcher {r['launcher']} | precision {r['precision']}: "
         f"{r['precision_reason']}",
     ])
+
+
+def loss_text(r: dict) -> str:
+    """The summary's loss and samples/s line, or why there are none (never "nan")."""
+    if r["steps_run"] == 0:
+        return f"no training step in this run: already at step {r['steps_done']} of {r['steps']}"
+    first = "" if r["first_loss"] is None else f"{r['first_loss']:.3f} -> "
+    rate = (f"{r['samples_per_s']:.0f} samples/s" if math.isfinite(r["samples_per_s"]) else
+            f"samples/s not measured ({r['steps_run']} step(s), {r['warmup_steps']} of them warm-up)")
+    return (f"loss {first}{r['loss']:.3f} | {rate} ({r['world_size']} rank(s) x {r['threads_per_rank']} "
+            f"thread(s), batch {r['batch_size_per_rank']}/rank)")
 
 
 def replicas_identical(model: nn.Module) -> bool:

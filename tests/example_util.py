@@ -29,3 +29,12 @@ def paraphrase_data() -> ModuleType:
     finally:
         sys.path.remove(str(EXAMPLES))
     return pd
+
+
+def fake_missing_numpy(tmp_path: Path) -> str:
+    """A directory whose ``numpy`` fails to import as a missing one does (README's install has no
+    numpy; torch then warns "Failed to initialize NumPy" at import): put it first on PYTHONPATH."""
+    pkg = tmp_path / "no-numpy" / "numpy"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'numpy'\", name='numpy')\n")
+    return str(pkg.parent)

@@ -169,6 +169,9 @@ def test_rank_environment_strips_other_launchers() -> None:
         assert gone not in base
     assert base[bench_launch.CHILD_MARK] == "1"
     assert parent["RANK"] == "5"  # the parent's mapping is untouched
+    assert base["PYTHONWARNINGS"] == _procs.NUMPY_WARNING_FILTER  # torch's numpy warning: the parent's copy only
+    own = _procs.world_environ({**parent, "PYTHONWARNINGS": "error::DeprecationWarning"}, 2, 29555)
+    assert own["PYTHONWARNINGS"] == "error::DeprecationWarning," + _procs.NUMPY_WARNING_FILTER
     tests_env = _procs.world_environ(parent, 2, 29555, strip_backend_settings=True)
     assert "CCL_WORKER_COUNT" not in tests_env and "GLOO_SOCKET_IFNAME" not in tests_env
     with pytest.raises(ValueError, match="MASTER_PORT"):
@@ -289,3 +292,33 @@ def test_bounded_teardown_abandons_a_call_that_hangs(capsys: pytest.CaptureFixtu
     release.set()
     assert "destroy_process_group did not return within 0.2 s" in capsys.readouterr().err
     assert bench_rank._bounded(lambda: None, 5, "x") is True
+
+
+_NUMPY_PARENT = """
+import sys
+import torch  # where numpy is missing torch warns here, once: this process's copy
+from cpuddp import _procs
+with _procs.LocalWorld(2, 60) as world:
+    for r in range(2):
+        _procs.start_command(world, r, [sys.executable, "-c", "import torch"])
+    exits = _procs.wait_exit_codes(world.procs, 60, 5)
+sys.exit(1 if any(c != 0 for c in exits.codes) else 0)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_ranks_started_here_do_not_repeat_torchs_numpy_warning(tmp_path) -> None:
+    """issue 46: "Failed to initialize NumPy" was said by every process; the parent says it once."""
+    import os
+    import subprocess
+    import sys
+
+    from example_util import fake_missing_numpy
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [fake_missing_numpy(tmp_path),
+                                                                    os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", _NUMPY_PARENT], capture_output=True, text=True, timeout=150,
+                          env=env, cwd=tmp_path)
+    log = f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, log
+    assert proc.stderr.count("Failed to initialize NumPy") == 1, log

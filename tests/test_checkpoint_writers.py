@@ -66,6 +66,10 @@ def test_a_second_job_in_the_same_directory_is_named_and_stopped(run_distributed
         assert told[1].startswith("CpuddpError:") and "another job writes checkpoints" in told[1], told
         for t in told:
             assert f"pid {pid} on host {hostname()!r}" in t, t
+        # issue 46: every rank gives the one fix, rank 0's (rank 1 added a contradictory one)
+        fixes = [[line for line in t.splitlines() if line.startswith("Fix:")] for t in told]
+        assert len(fixes[0]) == 1 and fixes[1] == fixes[0], told
+        assert "checkpoint directory of its own" in fixes[0][0], told
     finally:
         a.stdin.close()
         a.wait(60)

@@ -28,7 +28,7 @@ from cpuddp.train.loop import (
 from cpuddp.train.sharding.distribute import unwrap
 from cpuddp.train.prepare import prepare, prepared_info
 
-from example_util import EXAMPLES, example_env, paraphrase_data
+from example_util import EXAMPLES, example_env, fake_missing_numpy, paraphrase_data
 
 
 def _ids(loader) -> list[int]:
@@ -396,3 +396,37 @@ def test_example_stops_and_resumes_where_it_was(tmp_path):
     a, b = torch.load(tmp_path / "whole.pt"), torch.load(tmp_path / "again.pt")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert whole["result"]["precision"] == again["result"]["precision"] == "fp32"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stopped_run_says_it_is_unfinished_and_a_rerun_with_nothing_to_do_says_so(tmp_path):
+    """issue 46: --stop-after says the run is unfinished and how to go on; a rerun whose
+    checkpoint is at the stop (or at --steps) says "nothing to do", and never prints nan."""
+    ck = str(tmp_path / "ck")
+    stopped = _example(tmp_path, "--steps", "6", "--stop-after", "3", "--checkpoint-dir", ck)["stdout"]
+    assert "stopped early at step 3 of 6 (--stop-after 3)" in stopped and "without --stop-after" in stopped, stopped
+    again = _example(tmp_path, "--steps", "6", "--stop-after", "3", "--checkpoint-dir", ck)["stdout"]
+    assert "already at step 3 of 6" in again and "nothing to do" in again, again
+    assert "nan" not in again and "stopped early" not in again, again
+    finished = _example(tmp_path, "--steps", "6", "--checkpoint-dir", ck)["stdout"]
+    assert "stopped early" not in finished and "nothing to do" not in finished and "samples/s" in finished, finished
+    after = _example(tmp_path, "--steps", "6", "--checkpoint-dir", ck)["stdout"]
+    assert "already at step 6 of 6" in after and "nothing to do" in after and "nan" not in after, after
+
+
+@pytest.mark.slow
+@pytest.mark.launcher
+@pytest.mark.timeout(240)
+def test_readmes_command_without_numpy_warns_about_it_once(tmp_path):
+    """issue 46: torch's "Failed to initialize NumPy" came 3 times in one 2-rank job (torchrun's
+    process and each rank); the example's ranks leave it to torchrun's."""
+    env = example_env()
+    env["PYTHONPATH"] = os.pathsep.join([fake_missing_numpy(tmp_path), env["PYTHONPATH"]])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(EXAMPLES / "finetune.py"), "--steps", "2", "--batch-size", "4", "--num-samples", "64",
+           "--eval-samples", "0", "--precision", "fp32"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, env=env, cwd=tmp_path)
+    log = f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    assert proc.returncode == 0, log
+    assert (proc.stdout + proc.stderr).count("Failed to initialize NumPy") == 1, log

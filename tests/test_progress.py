@@ -209,3 +209,111 @@ def test_exported_from_cpuddp():
     import cpuddp
 
     assert cpuddp.Progress is Progress and "Progress" in cpuddp.__all__
+
+
+# --------------------------------------------------------------------------- other lines while the bar is drawn
+
+
+def _screen(text: str) -> list[str]:
+    """What a terminal shows after ``text``: ``\\r`` goes back to the line's start, ``\\n`` to a
+    new line, any other character overwrites the one under the cursor."""
+    lines, col = [[]], 0
+    for ch in text:
+        if ch == "\r":
+            col = 0
+        elif ch == "\n":
+            lines.append([])
+            col = 0
+        else:
+            line = lines[-1]
+            line[col:col + 1] = [ch]
+            col += 1
+    return ["".join(line).rstrip() for line in lines]
+
+
+def test_a_print_or_a_log_line_while_the_bar_is_drawn_ends_its_line_first(monkeypatch):
+    """issue 46: prepare's "precision: ..." line overprinted the bar.  A line written meanwhile
+    (print, a logging handler on the terminal) blanks the bar's line; the bar is drawn below it."""
+    import logging
+
+    clock, term = Clock(), TtyStream()
+    monkeypatch.setattr(sys, "stdout", term)
+    monkeypatch.setattr(sys, "stderr", term)
+    log = logging.getLogger("cpuddp.test_progress_lines")
+    handler = logging.StreamHandler(term)
+    log.addHandler(handler)
+    log.propagate = False
+    try:
+        p = Progress(4, warmup=0, enabled=True, header="header", clock=clock)
+        _run(p, clock, [0.9])
+        print("a print")
+        log.warning("precision: fp32 kept")
+        _run(p, clock, [0.7, 0.5, 0.3])
+    finally:
+        log.removeHandler(handler)
+        log.propagate = True
+    screen = _screen(term.getvalue())
+    assert screen[:3] == ["header", "a print", "precision: fp32 kept"], screen
+    assert screen[3].startswith("[####################] 4/4") and screen[4:] == [""], screen
+    assert sys.stdout is term and sys.stderr is term and handler.stream is term  # all put back at the end
+
+
+def test_close_puts_the_streams_back_and_ends_a_blanked_bar(monkeypatch):
+    clock, term = Clock(), TtyStream()
+    monkeypatch.setattr(sys, "stderr", term)
+    p = Progress(10, warmup=0, enabled=True, header=False, clock=clock)
+    _run(p, clock, [0.5] * 2)
+    sys.stderr.write("half a line")  # no newline: the bar stays blanked
+    p.close()
+    assert sys.stderr is term
+    screen = _screen(term.getvalue())
+    assert screen[0] == "half a line" and screen[1].startswith("[####----------------]  2/10") and screen[2:] == [""], \
+        screen
+
+
+_PTY_SCRIPT = """
+import logging, time
+from cpuddp.train.progress import Progress
+p = Progress(3, warmup=0, enabled=True, header="header")
+p.update(loss=0.5)
+logging.getLogger("cpuddp.precision").warning("precision: fp32 kept")  # as prepare's trial says it
+time.sleep(0.15)
+p.update(loss=0.4)
+p.update(loss=0.3)
+"""
+
+
+def test_on_a_real_terminal_the_precision_line_does_not_overprint_the_bar(tmp_path):
+    """The same in a process whose stdout and stderr are a pseudo-terminal, the log record going
+    to logging's last-resort handler (no handler configured), as in examples/finetune.py."""
+    import os
+    import pty
+    import select
+    import time
+
+    master, slave = pty.openpty()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_RANK"))}
+    proc = subprocess.Popen([sys.executable, "-c", _PTY_SCRIPT], stdin=slave, stdout=slave, stderr=slave,
+                            env=env, cwd=tmp_path)
+    os.close(slave)
+    out, deadline = b"", time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                continue
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the process closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(master)
+        proc.kill() if proc.poll() is None else None
+        proc.wait(30)
+    screen = _screen(out.decode(errors="replace"))
+    assert proc.returncode == 0, out
+    assert screen[:2] == ["header", "precision: fp32 kept"], screen
+    assert screen[2].startswith("[####################] 3/3"), screen

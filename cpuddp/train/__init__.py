@@ -3,7 +3,8 @@
 Owns: :func:`cpuddp.prepare` as a list of named steps (:mod:`.prepare`), the loop helpers
 (:mod:`.loop`: autocast, metrics, the model's state dict), the gradient helpers for every
 ``shard=`` mode (:mod:`.grads`: ``clip_grad_norm_``, ``no_sync``), :class:`cpuddp.Progress`
-(:mod:`.progress`); and, in subpackages, bottom first: what the rest stands on
+(:mod:`.progress`, with :mod:`.tty_lines`: other output ends its bar's line first); and, in
+subpackages, bottom first: what the rest stands on
 (:mod:`.common`: rank 0's I/O, object collectives, each rank's places, the data sharding, the
 gradient hooks), the arithmetic (:mod:`.precision`: bf16, the trial, IPEX, the fused optimizer),
 the spreading over the ranks (:mod:`.sharding`: prepare's options, DDP, FSDP2, ``shard="optimizer"``)

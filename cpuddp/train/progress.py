@@ -15,6 +15,10 @@ On a terminal it then redraws one line in place (at most ten times a second)::
 
     [#########-----------]  450/1000  loss 0.4127  612 samples/s  ETA 0:53
 
+A line this process prints meanwhile (``print``, a warning, a log record such as prepare's
+``precision: ...``) blanks the bar's line first and the bar is drawn again below it
+(:mod:`.tty_lines`), so neither overprints the other.
+
 Anywhere else -- a log file, CI, a launcher that pipes the output -- it writes a plain line
 every ``every`` steps (default: a tenth of the run) and at the last step::
 
@@ -44,6 +48,7 @@ from typing import IO, Callable, Optional, Union
 from cpuddp.ranks import get_rank
 
 from .common.layout import places_line
+from .tty_lines import LineGuard
 
 __all__ = ["Progress", "ProgressSummary", "format_duration"]
 
@@ -132,7 +137,9 @@ class Progress:
         self._losses: deque = deque(maxlen=self.every)
         self._step = start
         self._drawn_at = -math.inf
-        self._width = 0
+        self._width = 0  # the bar's length on the terminal; 0: no bar there
+        self._hidden = False  # blanked for another line (tty_lines): drawn again after it
+        self._guard = LineGuard(self._hide, self._show)
         self._closed: Optional[ProgressSummary] = None
         self.ranks = places_line()
         if self.enabled and header:
@@ -195,8 +202,9 @@ class Progress:
         """Finish the line (on a terminal) and return this rank's :class:`ProgressSummary`."""
         if self._closed is None:
             now = self._clock()
-            if self.enabled and self.tty and self._step < self.total and self._width:
+            if self.enabled and self.tty and self._step < self.total and (self._width or self._hidden):
                 self._draw(self._tty_line(now), end="\n")  # a loop that stopped early
+            self._guard.remove()
             self._closed = ProgressSummary(self._step, now - self._start, self.rate(now), self.loss, self.ranks)
         return self._closed
 
@@ -235,8 +243,27 @@ class Progress:
     def _draw(self, line: str, end: str) -> None:
         if self.tty:
             pad = " " * max(0, self._width - len(line))  # blank out a longer previous line
-            self.stream.write("\r" + line + pad + end)
-            self._width = 0 if end else len(line)
+            lead = "\r"
+            if self._guard.midline:  # another write left the cursor mid-line: the bar goes below it
+                lead, self._guard.midline = "\n", False
+            self.stream.write(lead + line + pad + end)
+            self._width, self._hidden = (0 if end else len(line)), False
+            if end:
+                self._guard.remove()
+            else:
+                self._guard.install()  # until the bar's line ends, other lines end it first
         else:
             self.stream.write(line + end)
         self.stream.flush()
+
+    def _hide(self) -> None:
+        """Blank the bar's line before another line is written to the terminal (tty_lines)."""
+        if self._width:
+            self.stream.write("\r" + " " * self._width + "\r")
+            self.stream.flush()
+            self._width, self._hidden = 0, True
+
+    def _show(self) -> None:
+        """Draw the bar again below a line written while it was blanked."""
+        if self._hidden and self._closed is None:
+            self._draw(self._tty_line(self._clock()), end="")

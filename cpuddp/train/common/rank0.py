@@ -72,12 +72,21 @@ def all_gather_bytes(data: bytes, group: Any = None) -> list[bytes]:
     return [bytes(ba[:int(s.item())]) for (ba, _), s in zip(bufs, sizes)]
 
 
+def _error_status(exc: Exception) -> list:
+    """``["error", "Type: message", fix]`` for the other ranks: a cpuddp error's own fix (None
+    when it has none) travels apart from its message, so a rank prints it once."""
+    if isinstance(exc, CpuddpError):
+        return ["error", f"{type(exc).__name__}: {exc.msg}", exc.fix]
+    return ["error", f"{type(exc).__name__}: {exc}", None]
+
+
 def on_rank0(action: Callable[[], Any], what: str, fix: str, group: Any) -> Any:
     """Run ``action()`` on rank 0 and give its (JSON-able) result to every rank.
 
     Every rank waits for rank 0 in one broadcast.  An error on rank 0 is raised there as it
     is, and on every other rank as a :class:`CpuddpError` naming it -- so no rank is left
-    waiting in a later collective until the timeout.
+    waiting in a later collective until the timeout.  That error carries rank 0's own fix
+    when its error has one (every rank of the job gives the same fix: issue 46), else ``fix``.
     """
     rank, _ = group_rank_world(group)
     status = ""
@@ -87,10 +96,10 @@ def on_rank0(action: Callable[[], Any], what: str, fix: str, group: Any) -> Any:
             status = json.dumps(["ok", action()])
         except Exception as exc:  # reported to every rank below
             error = exc
-            status = json.dumps(["error", f"{type(exc).__name__}: {exc}"])
-    kind, value = json.loads(broadcast_text(status, global_rank0(group), group))
+            status = json.dumps(_error_status(exc))
+    kind, value, *rank0_fix = json.loads(broadcast_text(status, global_rank0(group), group))
     if kind == "error":
         if error is not None:
             raise error
-        raise CpuddpError(f"{what} failed on rank 0: {value}", fix=fix)
+        raise CpuddpError(f"{what} failed on rank 0: {value}", fix=rank0_fix[0] or fix)
     return value
