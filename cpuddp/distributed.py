@@ -59,7 +59,9 @@ whose first collective fails raises :class:`~cpuddp.errors.BackendError`.  The d
 timeout is 300 s (torch's gloo default is 30 minutes); it bounds the rendezvous and every
 collective.  :func:`shutdown` is bounded too, and runs at interpreter exit.  A process whose
 previous group could not be torn down (a peer gone mid-collective) refuses a new one with a
-clear error instead of adopting the dying group.
+clear error instead of adopting the dying group.  From the first call on, an uncaught
+exception is printed in one write and reported where the launcher reads it (torchrun's
+``TORCHELASTIC_ERROR_FILE``, ``cpuddp run``'s report directory: :mod:`cpuddp.launchers.report`).
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Option
 
 from cpuddp.backends import forming
 from cpuddp.backends.decide import decide_backend
-from cpuddp.launchers import hosts, identity, proof
+from cpuddp.launchers import hosts, identity, proof, report
 from cpuddp.launchers.env import DistEnv, Provenance
 from cpuddp.launchers.exports import DEFAULT_TIMEOUT, Exports, Timeout
 from cpuddp.launchers.exports import configure_logging as _configure_logging
@@ -198,6 +200,7 @@ def init_distributed(
     with _state.lock:
         environ = os.environ if environ is None else environ
         _configure_logging(environ)
+        report.install()  # an uncaught error: printed whole, and reported to torchrun / cpuddp run
         td = _timeout(timeout, environ)
         # Before importing torch (2 s or more): a malformed environment fails at once.
         env = detect(environ)

@@ -8,9 +8,10 @@ process carries a token in its environment, and no process with it may outlive t
 
 What each launcher does when a rank dies (seen with these versions, and what the tests pin):
 
-* torchrun: SIGTERMs the other ranks at once; its "Root Cause" names a SIGKILLed rank, but when
-  several ranks exit with code 1 it names the lowest -- the survivor, not the culprit.  The
-  survivor's cpuddp line (printed before torchrun's SIGTERM lands) names the right one.
+* torchrun: SIGTERMs the other ranks at once; its "Root Cause" names a SIGKILLed rank; when
+  several ranks exit with code 1 it named the lowest -- the survivor, not the culprit -- until
+  cpuddp wrote each rank's error to torchrun's error file (issue 46): it now names the culprit.
+  The survivor's cpuddp line (printed before torchrun's SIGTERM lands) names the right one too.
 * MPICH 5 (Hydra): a rank killed by a signal makes Hydra SIGKILL the others within
   milliseconds; its banner gives the PID of the node's *first* process, not the dead one, and no
   survivor lives to say more.  A rank that exits with an error does not stop the others: the
@@ -77,7 +78,11 @@ def test_lost_rank_under_launcher(kind, mode):
             # torchrun names a signalled rank itself; cpuddp's line may or may not beat its SIGTERM.
             assert re.search(r"Root Cause.*?rank\s*:\s*1 \(local_rank: 1\)\s*\n\s*exitcode\s*: -9", err, re.S), report
         else:
-            assert ours, report  # torchrun's own "Root Cause" would name rank 0
+            assert ours, report
+            # torchrun's own "Root Cause" named rank 0 (the lowest); from the error file cpuddp
+            # writes (issue 46), it names the culprit, with its message.
+            assert re.search(r"Root Cause.*?rank\s*:\s*1 \(local_rank: 1\).*?traceback : rank 1 \(pid \d+\): "
+                             r"ValueError: bad batch", err, re.S), report
     elif kind == "mpich":
         if mode == "kill":
             # Hydra SIGKILLs rank 0 at once; its banner's PID is the node's first process.

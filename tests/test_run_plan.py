@@ -143,7 +143,7 @@ def test_plan_for_follows_cpuddp_run_plan() -> None:
 def test_torchrun_command() -> None:
     plan = plan_run(SPR_LIKE)
     launch = torchrun_command(plan, "train.py", ["--lr", "1"], max_restarts=2, python="py")
-    assert launch.argv == ("py", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    assert launch.argv == ("py", "-m", "cpuddp.run.agent", "--standalone", "--nproc-per-node", "2",
                            "--max-restarts", "2", "--module", "cpuddp.run.rank", "train.py", "--lr", "1")
     assert launch.env["CPUDDP_RANK_CPUS"] == "0-27;28-55" and launch.env["CPUDDP_RANK_THREADS"] == "28;28"
     assert launch.env["OMP_NUM_THREADS"] == "28"  # torchrun then keeps it instead of forcing 1
@@ -289,7 +289,7 @@ def test_dry_run_is_fast_and_imports_no_torch() -> None:
     res = _cli("--dry-run", "examples/finetune.py", "--steps", "5")
     took = time.perf_counter() - t0
     assert res.returncode == 0, res.stderr
-    assert "torch.distributed.run" in res.stdout and "--steps 5" in res.stdout and "threads" in res.stdout
+    assert "cpuddp.run.agent" in res.stdout and "--steps 5" in res.stdout and "threads" in res.stdout
     assert took < 3.0, f"--dry-run took {took:.2f} s"  # about 0.3 s here; slack for a loaded machine
     imp = subprocess.run([sys.executable, "-X", "importtime", "-m", "cpuddp", "run", "--dry-run", "examples/finetune.py"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -5,8 +5,8 @@ every launcher's variables (the interface and what they share in :mod:`.readers`
 per launcher, ``read_<launcher>.py``; :mod:`.parsers`) and :func:`detect` (:mod:`.registry`,
 with the registry of readers, the one list of the built-ins), what init exports for the code
 after it (:mod:`.exports`), the hosts of the job (:mod:`.hosts`), the network interface
-(:mod:`.netif`), the rendezvous store (:mod:`.rendezvous`) and the checking of what is read
-from it (:mod:`.store_values`).
+(:mod:`.netif`), the rendezvous store (:mod:`.rendezvous`), the checking of what is read
+from it (:mod:`.store_values`) and what a failing rank tells its launcher (:mod:`.report`).
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp._package`, :mod:`cpuddp.topology.here`.
 
 This package is public: the names below are importable from ``cpuddp.launchers``, each loaded from

@@ -13,9 +13,11 @@ It reads the node's topology (:mod:`cpuddp.topology`), plans the ranks
 (:func:`cpuddp.affinity.job.plan_run`: ranks per node, each rank's CPUs and threads), picks the
 engine that is there (:mod:`cpuddp.run.launch`: torchrun's elastic agent on one node, srun in
 a Slurm allocation, the MPI launcher for a host list), adds the runtime settings
-(:mod:`cpuddp.run.settings`), prints the plan as a table and the exact command, then replaces
-itself with that command (its exit code is the launcher's), exporting its pid and host so that
-every rank ends when that launcher dies (:func:`cpuddp.run.rank.end_with_launcher`).  Each rank's
+(:mod:`cpuddp.run.settings`), prints the plan as a table and the exact command, then runs that
+command as its child and waits (its exit code is the launcher's), exporting the launcher's pid
+and host so that every rank ends when that launcher dies (:func:`cpuddp.run.rank.end_with_launcher`),
+and ends its output with the first failing rank's message and fix, or, after Ctrl-C, with where
+the same command resumes (:mod:`cpuddp.run.supervise`).  Each rank's
 ``init_distributed()`` then pins as planned.  A request that cannot be met ends here, before
 anything starts, with the value and the fix (exit code 2).  ``--dry-run`` never imports torch.
 
@@ -42,7 +44,7 @@ from cpuddp.topology.read import read_topology
 from .hosts import HostEntry, parse_hostfile, parse_hosts_option, ranks_from_slots
 from .launch import MPI_NAMES, Launch, command_text, mpi_command, mpi_family, srun_command, torchrun_command
 from cpuddp.affinity.job import RunPlan, RunPlanError, plan_run, plan_table
-from .rank import launcher_env
+from .supervise import launch_and_report
 from .settings import DEFAULTS, find_allocator, openmp_runtime, settings_env
 
 __all__ = ["add_arguments", "run", "prepare_job", "check_script", "RunConfig"]
@@ -267,7 +269,7 @@ def prepare_job(cfg: RunConfig, environ: Mapping[str, str]) -> tuple[RunPlan, La
 
 
 def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -> int:
-    """``cpuddp run``: print the plan and the command, then exec it (unless ``--dry-run``).
+    """``cpuddp run``: print the plan and the command, then run it (unless ``--dry-run``).
 
     ``args`` becomes a :class:`RunConfig` here, once; everything below takes that config.
     """
@@ -285,6 +287,6 @@ def run(args: argparse.Namespace, environ: Optional[Mapping[str, str]] = None) -
     sys.stdout.flush()
     if cfg.dry_run:
         return 0
-    # The launcher keeps this pid: each rank ends when it dies (cpuddp.run.rank.end_with_launcher).
-    os.execvpe(launch.argv[0], list(launch.argv), {**environ, **launch.env, **launcher_env()})
-    return 1  # pragma: no cover - exec does not return
+    # Each rank ends when the launcher dies, the launcher when this process dies; the output ends
+    # with the first failure and its fix (cpuddp.run.supervise).
+    return launch_and_report(launch.argv, {**environ, **launch.env})

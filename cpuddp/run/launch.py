@@ -1,7 +1,8 @@
 """``cpuddp run``'s launch: which engine starts the ranks, and its exact command line (pure).
 
 - One node (no ``--hosts``/``--hostfile``, not in a Slurm allocation): torch's elastic agent,
-  ``python -m torch.distributed.run --standalone --nproc-per-node N --max-restarts R``, each
+  ``python -m cpuddp.run.agent --standalone --nproc-per-node N --max-restarts R`` (torchrun,
+  leaving the failure summary to ``cpuddp run``: :mod:`cpuddp.run.agent`), each
   rank started through :mod:`cpuddp.run.rank`, which pins it to its planned CPUs before the
   script (and torch, and OpenMP) loads.  The plan travels in ``CPUDDP_RANK_CPUS`` and
   ``CPUDDP_RANK_THREADS`` (``;``-separated, local rank order); :func:`cpuddp.affinity.plan_for`
@@ -79,7 +80,7 @@ def _rank_argv(script: str, args: Sequence[str], python: str) -> list[str]:
 def torchrun_command(plan: RunPlan, script: str, args: Sequence[str], *, max_restarts: int = 0,
                      settings: Mapping[str, str] = {}, python: str = sys.executable) -> Launch:
     """One node: torch's elastic agent, each rank through :mod:`cpuddp.run.rank`."""
-    argv = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(plan.ranks_per_node),
+    argv = [python, "-m", "cpuddp.run.agent", "--standalone", "--nproc-per-node", str(plan.ranks_per_node),
             "--max-restarts", str(max_restarts), "--module", "cpuddp.run.rank", script, *args]
     env = dict(settings)
     env["CPUDDP_RANK_CPUS"] = plan.rank_cpus_env()

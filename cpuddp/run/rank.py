@@ -20,6 +20,13 @@ to entry ``LOCAL_RANK`` of ``CPUDDP_RANK_CPUS`` and ``OMP_NUM_THREADS`` to entry
 ``LOCAL_RANK`` of ``CPUDDP_RANK_THREADS`` (replacing torchrun's own ``1``).  Then the script
 runs as ``__main__`` with ``sys.argv = [script, *args]``, as ``python script.py`` would run it.
 Without those variables it only runs the script.
+
+A failure is reported (:mod:`cpuddp.launchers.report`) before anything else runs -- before
+the watchdog's hook marks it and aborts the local peers -- so the rank that failed first has
+the earliest report; the traceback is then printed whole (one write).  Under ``cpuddp run`` (its report
+directory set), Ctrl-C ends the rank quietly with exit code 130, and so does whatever the
+interruption makes the rank raise next (a collective whose peer left): ``cpuddp run`` says
+"interrupted" once, instead of a traceback per rank.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from typing import Mapping, MutableMapping, Optional, Sequence
 
 from cpuddp._procs import die_with_parent
 from cpuddp.errors import LauncherEnvError
+from cpuddp.launchers import report
 from cpuddp.topology import here
 from cpuddp.topology.model import format_cpulist, parse_cpulist
 
@@ -44,6 +52,10 @@ LAUNCHER_PID_ENV = "CPUDDP_LAUNCHER_PID"
 LAUNCHER_HOST_ENV = "CPUDDP_LAUNCHER_HOST"
 #: Seconds between two looks at the launcher where ``os.pidfd_open`` is missing.
 POLL = 0.5
+#: The exit code of a rank ended by Ctrl-C (128 + SIGINT, as a shell reports it).
+INTERRUPTED = 128 + signal.SIGINT
+
+_interrupted = threading.Event()  # this rank got SIGINT
 
 
 def launcher_env() -> dict[str, str]:
@@ -133,7 +145,32 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     script = argv[0]
     sys.argv = argv
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    report.install()
+    run_script(script, quiet_interrupt=report.report_dir() is not None)
+
+
+def _on_sigint(signum: int, frame: object) -> None:
+    _interrupted.set()
+    raise KeyboardInterrupt
+
+
+def run_script(script: str, *, quiet_interrupt: bool) -> None:
+    """Run ``script`` as ``__main__``.  An exception is reported first, then raised on (Python's
+    hooks print it); with ``quiet_interrupt``, Ctrl-C -- and what it makes the script raise
+    afterwards -- ends the rank with :data:`INTERRUPTED` and no traceback."""
+    if quiet_interrupt and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        interrupted = isinstance(exc, KeyboardInterrupt) or _interrupted.is_set()
+        report.record_failure(type(exc), exc, kind="interrupted" if interrupted else "error")
+        if interrupted and quiet_interrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher passes Ctrl-C on too: no traceback at exit
+            sys.exit(INTERRUPTED)
+        raise
 
 
 if __name__ == "__main__":

@@ -10,6 +10,6 @@ gradient hooks), the arithmetic (:mod:`.precision`: bf16, the trial, IPEX, the f
 the spreading over the ranks (:mod:`.sharding`: prepare's options, DDP, FSDP2, ``shard="optimizer"``)
 and the training checkpoint (:mod:`.checkpoint`).  A subpackage imports only those below it;
 the modules at the top import any.
-May import: :mod:`cpuddp.errors`, :mod:`cpuddp._compat`, :mod:`cpuddp._units`,
+May import: :mod:`cpuddp.errors`, :mod:`cpuddp.launchers.report`, :mod:`cpuddp._compat`, :mod:`cpuddp._units`,
 :mod:`cpuddp._package`, :mod:`cpuddp.topology`, :mod:`cpuddp.affinity`, :mod:`cpuddp.ranks`.
 """

@@ -23,7 +23,9 @@ connection per rank on the store's host) and, under the prefix ``cpuddp/watchdog
 * appends ``rank pid host identity`` to ``info`` once;
 * adds 1 to ``hb/<rank>`` every :data:`INTERVAL` seconds from a daemon thread (one small
   request per rank per second; a few quicker ones at first, to learn the peers' pids);
-* wraps ``sys.excepthook`` and ``threading.excepthook``: an uncaught exception appends
+* wraps ``sys.excepthook`` and ``threading.excepthook``: an uncaught exception is reported
+  first (:func:`cpuddp.launchers.report.record_failure`: torchrun's error file, ``cpuddp run``'s report
+  directory), then appends
   ``rank<TAB>Type: message`` to ``failed`` (first in, first failed), lets the previous hook
   (torch's ``[rankN]:`` prefixer) print the traceback, then prints the verdict.
 
@@ -60,6 +62,7 @@ import time
 from typing import Any, Callable, Optional
 
 from cpuddp.errors import RendezvousError, first_line
+from cpuddp.launchers.report import record_failure
 from cpuddp.topology import here
 
 from .store import StoreClient
@@ -296,6 +299,10 @@ class _Watchdog:
         self.sys_hook = self.thread_hook = None
 
     def _sys_hook(self, exc_type: type, exc: BaseException, tb: Any) -> None:
+        # First of all, before the mark and the abort that make local peers fail: the rank
+        # that failed first then has the earliest report (cpuddp.launchers.report).
+        record_failure(exc_type, exc, kind="interrupted" if issubclass(exc_type, KeyboardInterrupt) else "error",
+                       secondary=looks_like_comm_failure(exc_type, exc))
         self._report(exc_type, exc, lambda: (self.old_sys_hook or sys.__excepthook__)(exc_type, exc, tb), mark=True)
 
     def _thread_hook(self, args: Any) -> None:

@@ -5,6 +5,6 @@ objects and DCP for sharded models (:mod:`.resume_io`), this rank's random state
 a checkpoint file written atomically (:mod:`.atomic`), a checkpoint directory (:mod:`.ckpt_dirs`),
 which checkpoints are ours (:mod:`.ckpt_index`), one writer per directory (:mod:`.ckpt_lock`),
 safe places and full disks (:mod:`.paths`).
-May import: :mod:`cpuddp.errors`, :mod:`cpuddp._units`, :mod:`cpuddp._package`, :mod:`cpuddp.ranks`,
+May import: :mod:`cpuddp.errors`, :mod:`cpuddp.launchers.report`, :mod:`cpuddp._units`, :mod:`cpuddp._package`, :mod:`cpuddp.ranks`,
 :mod:`cpuddp.topology`, :mod:`cpuddp.train.common`, :mod:`cpuddp.train.sharding`.
 """

@@ -66,6 +66,7 @@ from torch import nn
 from cpuddp._package import __version__
 from cpuddp.errors import CheckpointError
 from cpuddp.ranks import group_rank_world
+from cpuddp.launchers.report import note_checkpoint
 
 from ..common.data import ShardedLoader
 from ..common.rank0 import all_gather_bytes, broadcast_bytes, on_rank0
@@ -254,6 +255,7 @@ def save_checkpoint(
                      lambda: _take_directory(path, check_permissions, step, name),
                      lambda real: prune(real, keep, os.path.join(real, name), check_permissions))
         _log.info("checkpoint saved: %s (sharded, %d rank(s))", target, world)
+        note_checkpoint(step, target)
         return target
 
     def write() -> str:
@@ -270,6 +272,7 @@ def save_checkpoint(
         on_rank0(write, f"saving checkpoint {target!r}",
                  f"make {path!r} writable on rank 0's host (free space, permissions); every rank stopped", group)
     _log.info("checkpoint saved: %s", target)
+    note_checkpoint(step, target)
     return target
 
 
@@ -396,6 +399,7 @@ def load_checkpoint(
         _tell_world(saved_world, world)
     _log.info("resumed from %s: step %s, epoch %s (saved by %d rank(s), now %d)", where, state["step"],
               state.get("epoch"), saved_world, world)
+    note_checkpoint(int(state["step"]), where)
     return Resumed(step=int(state["step"]), epoch=state.get("epoch"), extra=state.get("extra"), path=where,
                    saved_world_size=saved_world, world_size=world)
 
