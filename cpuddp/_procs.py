@@ -52,7 +52,7 @@ import time
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["LocalWorld", "Command", "start_command", "wait_exit_codes", "rank_setup", "STACK_FILE_ENV",
-           "NUMPY_WARNING_FILTER", "without_numpy_warning"]
+           "NUMPY_WARNING", "NUMPY_WARNING_FILTER", "without_numpy_warning", "ignore_numpy_warning"]
 
 #: Where a rank started by :class:`LocalWorld` writes its Python stack (read by :func:`rank_setup`).
 STACK_FILE_ENV = "CPUDDP_STACK_FILE"
@@ -64,7 +64,8 @@ STACK_WAIT = 2.0
 #: A ``PYTHONWARNINGS`` entry: torch's own warning at import where numpy is not installed
 #: ("Failed to initialize NumPy: No module named 'numpy'"; cpuddp needs no numpy), said once by
 #: the process that starts the ranks, left out in each process it starts (issue 46).
-NUMPY_WARNING_FILTER = "ignore:Failed to initialize NumPy:UserWarning"
+NUMPY_WARNING = "Failed to initialize NumPy"
+NUMPY_WARNING_FILTER = f"ignore:{NUMPY_WARNING}:UserWarning"
 
 #: Set by the launcher for each rank; a caller's ``extra`` may not override them.
 RANK_CONTROLLED = (
@@ -110,6 +111,13 @@ def world_environ(environ: Mapping[str, str], world_size: int, port: int, *, ext
         LOCAL_WORLD_SIZE=str(world_size), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
     )
     return env
+
+
+def ignore_numpy_warning() -> None:
+    """Leave torch's :data:`NUMPY_WARNING` out in this process (a rank whose launcher said it)."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
 
 
 def without_numpy_warning(environ: Mapping[str, str]) -> dict[str, str]:

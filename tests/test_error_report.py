@@ -219,3 +219,20 @@ def test_a_report_goes_only_to_a_private_directory_of_this_user(tmp_path: Path) 
     assert report.report_dir({}) is None
     report.record_failure(ValueError, ValueError("x"), {report.REPORT_DIR_ENV: str(link), "RANK": "0"})
     assert not list(d.iterdir())
+
+
+@pytest.mark.launcher
+@pytest.mark.timeout(200)
+def test_cpuddp_run_says_torchs_numpy_warning_once(tmp_path: Path) -> None:
+    """issue 46: without numpy, torch warns "Failed to initialize NumPy" in every process that
+    imports it; under ``cpuddp run`` torchrun's process says it, its ranks do not again."""
+    from example_util import fake_missing_numpy
+
+    (tmp_path / "uses_torch.py").write_text("import torch\nprint('ran', torch.__version__)\n")
+    env = example_env()
+    env["PYTHONPATH"] = os.pathsep.join([fake_missing_numpy(tmp_path), env["PYTHONPATH"]])
+    res = subprocess.run([sys.executable, "-m", "cpuddp", "run", "--ranks-per-node", "2", "--allocator", "none",
+                          "uses_torch.py"], capture_output=True, text=True, timeout=150, env=env, cwd=tmp_path)
+    out = f"stdout:\n{res.stdout}\nstderr:\n{res.stderr}"
+    assert res.returncode == 0 and res.stdout.count("ran ") == 2, out
+    assert (res.stdout + res.stderr).count("Failed to initialize NumPy") == 1, out

@@ -38,7 +38,7 @@ import sys
 import threading
 from typing import Mapping, MutableMapping, Optional, Sequence
 
-from cpuddp._procs import die_with_parent
+from cpuddp._procs import die_with_parent, ignore_numpy_warning
 from cpuddp.errors import LauncherEnvError
 from cpuddp.launchers import report
 from cpuddp.topology import here
@@ -146,6 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     sys.argv = argv
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     report.install()
+    ignore_numpy_warning()  # torchrun's process, which started this one, has said it (issue 46)
     run_script(script, quiet_interrupt=report.report_dir() is not None)
 
 
