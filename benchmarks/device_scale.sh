@@ -90,7 +90,7 @@ echo "after $(( $(date +%s) - start )) s"
 echo "== 4. DDP and shard.py at 8 ranks (what time is left of 290 s)"
 left=$(( 290 - ($(date +%s) - start) ))
 if [ "$left" -gt 40 ]; then
-  timeout $(( left / 2 )) $PY benchmarks/shm_ddp.py --nproc 8 --backends gloo,shm --repeats 1 --steps 8 --warmup 2 \
+  timeout $(( left / 2 )) $PY benchmarks/shm_ddp.py --nproc 8 --backends gloo,shm,shm:4 --repeats 1 --steps 8 --warmup 2 \
       --out "$OUT/shm_ddp_8.json" 2>&1 | tail -8 | tee "$OUT/shm_ddp_8.txt"
   left=$(( 290 - ($(date +%s) - start) ))
   [ "$left" -gt 20 ] && timeout "$left" $PY benchmarks/shard.py --nproc 8 --cases ddp-gloo,ddp,shard-full,shard-optimizer \

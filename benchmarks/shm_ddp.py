@@ -3,6 +3,7 @@
     flock "$(python benchmarks/_heavy_lock.py)" python benchmarks/shm_ddp.py  # 2 ranks, 5 repeats
     python benchmarks/shm_ddp.py --backends gloo,shm,shm-async,shm-sync       # CPUDDP_SHM_ASYNC=1 / =0
     python benchmarks/shm_ddp.py --backends gloo,shm-python,shm                # the Python / native data path
+    python benchmarks/shm_ddp.py --backends shm:1,shm:4,shm:25,shm:100         # DDP's bucket_cap_mb, by measurement
     python benchmarks/shm_ddp.py --quick                                      # does the script work?
 
 Each run starts ``--nproc`` local ranks (``cpuddp.init_distributed(backend=...)``, default
@@ -56,7 +57,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
     import cpuddp
 
-    backend = args.backend
+    backend, _, bucket = args.backend.partition(":")  # "shm:4": DDP buckets of 4 MB (bucket_cap_mb)
+    ddp_kw = {"bucket_cap_mb": float(bucket)} if bucket else {}
     if backend == "shm-sync":  # the shm backend with every collective in the caller's thread
         os.environ["CPUDDP_SHM_ASYNC"], backend = "0", "shm"
     elif backend == "shm-async":  # the shm backend with its communication thread for 256 KiB and up
@@ -71,9 +73,9 @@ def rank_main(args: argparse.Namespace) -> None:
         torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10))
     if args.wrap == "prepare":  # what README's loop does: DDP with gradient_as_bucket_view=True
         opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-        ddp = cpuddp.prepare(model, opt)
+        ddp = cpuddp.prepare(model, opt, **ddp_kw)
     else:
-        ddp = DDP(model)
+        ddp = DDP(model, **ddp_kw)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     gen = torch.Generator().manual_seed(1000 + rank)
     data = [(torch.randn(args.batch, 1024, generator=gen), torch.randint(0, 10, (args.batch,), generator=gen))
