@@ -109,24 +109,31 @@ def test_doctor_light_path_agrees_with_init():
 
 
 def test_the_leg_travels_as_group_options_and_the_users_setting_wins(caplog):
-    """The node-to-node leg is a process-group option (ShmOptions), never an exported variable."""
+    """The node-to-node leg is a process-group option (ShmOptions), never an exported variable;
+    the user's CPUDDP_SHM_INTER is read once, before the agreement (decide.user_leg)."""
+    from cpuddp.backends.decide import user_leg
+
     choice = BackendChoice("shm", "auto", "cpuddp.shm", inter="ccl")
-    assert shm_options(choice, {}).inter == "ccl"
+    assert shm_options(choice).inter == "ccl"
+    assert user_leg(choice, {}) is choice
     with caplog.at_level("INFO", logger="cpuddp.backends"):
-        assert shm_options(choice, {"CPUDDP_SHM_INTER": "gloo"}).inter == "gloo"
-    assert "CPUDDP_SHM_INTER=gloo is your setting and is kept" in caplog.text
-    assert shm_options(BackendChoice("shm", "auto", "cpuddp.shm"), {}).inter == "gloo"  # one node: no leg
-    opts = shm_options(choice, {}, async_comm=True, local_size=2)
+        mine = user_leg(choice, {"CPUDDP_SHM_INTER": " GLOO "})
+    assert (mine.inter, mine.inter_set, shm_options(mine).inter) == ("gloo", True, "gloo")
+    assert "CPUDDP_SHM_INTER= GLOO  is your setting and is kept" in caplog.text
+    assert shm_options(BackendChoice("shm", "auto", "cpuddp.shm")).inter == "gloo"  # one node: no leg
+    assert user_leg(BackendChoice("gloo", "auto"), {"CPUDDP_SHM_INTER": "ccl"}).inter is None  # not shm
+    opts = shm_options(choice, async_comm=True, local_size=2)
     assert (opts.async_comm, opts.local_size) == (True, 2)
     env = _env(2, 2)
     assert "CPUDDP_SHM_INTER" not in backend_env(env, choice, None, {"GLOO_SOCKET_IFNAME": "eth0"})
 
 
 def test_a_leg_that_is_neither_gloo_nor_ccl_is_a_clear_error():
+    from cpuddp.backends.decide import user_leg
     from cpuddp.errors import BackendError
 
-    with pytest.raises(BackendError, match="CPUDDP_SHM_INTER=gloo or CPUDDP_SHM_INTER=ccl"):
-        shm_options(BackendChoice("shm", "auto", "cpuddp.shm", inter="gloo"), {"CPUDDP_SHM_INTER": "mpi"})
+    with pytest.raises(BackendError, match=r"CPUDDP_SHM_INTER='mpi'.*\n.*CPUDDP_SHM_INTER=gloo or CPUDDP_SHM_INTER=ccl"):
+        user_leg(BackendChoice("shm", "auto", "cpuddp.shm", inter="gloo"), {"CPUDDP_SHM_INTER": "mpi"})
 
 
 def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes():

@@ -36,7 +36,7 @@ def test_a_world_of_one_gets_a_frozen_plan_with_its_settings(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     plan = decide.decide_backend("gloo", DistEnv(), None, None, "b", TD, {}, pin=False)
     assert (plan.name, plan.choice.inter, plan.pin_plan) == ("gloo", None, None)
-    assert forming.group_options(DistEnv(), plan, {}) is None
+    assert forming.group_options(DistEnv(), plan) is None
     assert plan.env == {"GLOO_SOCKET_IFNAME": "lo"}  # one node on loopback
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.env = {}  # type: ignore[misc]
@@ -51,13 +51,13 @@ def test_shm_agreed_by_every_rank_carries_its_leg_and_the_proven_layout(monkeypa
         store.set(f"b/inter/{r}", "ccl")
     plan = decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=False)
     assert (facts["node_cpus"], facts["smallest_node"]) == (2, 2)  # the proven layout's, not the launcher's
-    assert forming.group_options(ENV, plan, {}) == ShmOptions(inter="ccl", async_comm=False, local_size=2)
+    assert forming.group_options(ENV, plan) == ShmOptions(inter="ccl", async_comm=False, local_size=2)
     store = dist.HashStore()
     for r in (1, 2, 3):
         store.set(f"c/{r}", "shm")
         store.set(f"c/inter/{r}", "gloo" if r == 3 else "ccl")  # rank 3's node has no working bindings
     plan = decide.decide_backend("auto", ENV, LAYOUT, store, "c", TD, {}, pin=False)
-    assert plan.choice.inter == forming.group_options(ENV, plan, {}).inter == "gloo"
+    assert plan.choice.inter == forming.group_options(ENV, plan).inter == "gloo"
     assert "gloo after all" in plan.choice.reason
 
 
@@ -88,5 +88,48 @@ def test_shm_options_carry_the_pinning_plans_cpus(monkeypatch):
         store.set(f"b/{r}", "shm")
         store.set(f"b/inter/{r}", "ccl")
     plan = decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=True)
-    options = forming.group_options(ENV, plan, {})
+    options = forming.group_options(ENV, plan)
     assert plan.pin_plan is not None and options.cpus == tuple(plan.pin_plan.cpus), (plan.pin_plan, options)
+
+
+# --------------------------------------------------------------------------- issue 45's two leg bugs
+
+
+def test_shm_with_a_oneccl_leg_gets_oneccls_settings_and_worker_cores(monkeypatch):
+    """shm whose node-to-node leg is oneCCL exports oneCCL's settings and keeps its worker cores
+    free, as backend="ccl" does (only a backend named "ccl" got them)."""
+    from cpuddp.affinity import pin
+    from cpuddp.backends import settings
+
+    _shm_everywhere(monkeypatch, {})
+    asked = []
+    monkeypatch.setattr(settings, "ccl_env", lambda env, plan, environ, paths=None: {"CCL_WORKER_COUNT": "1"})
+    monkeypatch.setattr(decide, "plan_for", lambda env, backend, **kw: asked.append(backend) or pin.plan_for(
+        env, backend=backend, **kw))
+    store = dist.HashStore()
+    for r in (1, 2, 3):
+        store.set(f"b/{r}", "shm")
+        store.set(f"b/inter/{r}", "ccl")
+    plan = decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=True)
+    assert plan.choice.inter == "ccl" and plan.env.get("CCL_WORKER_COUNT") == "1", plan.env
+    assert asked == ["ccl"]  # the pinning plan makes room for oneCCL's workers
+
+
+def test_a_leg_the_user_set_differently_on_another_node_is_an_error_naming_both(monkeypatch):
+    """CPUDDP_SHM_INTER is read before the agreement: nodes that set it differently stop at once
+    naming each rank's leg, where they formed mismatched node-to-node groups and hung."""
+    _shm_everywhere(monkeypatch, {})
+    store = dist.HashStore()
+    for r in (1, 2, 3):
+        store.set(f"b/{r}", "shm")
+        store.set(f"b/inter/{r}", "ccl_set" if r < 2 else "gloo")  # node 1 set nothing: the rule's gloo
+    with pytest.raises(BackendError, match=r"legs differ: rank 0: gloo \(CPUDDP_SHM_INTER\), rank 1: ccl "
+                                           r"\(CPUDDP_SHM_INTER\)") as err:
+        decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {"CPUDDP_SHM_INTER": "gloo"}, pin=False)
+    assert "set the same CPUDDP_SHM_INTER" in str(err.value)
+    store = dist.HashStore()
+    for r in (1, 2, 3):
+        store.set(f"c/{r}", "shm")
+        store.set(f"c/inter/{r}", "gloo_set")
+    plan = decide.decide_backend("auto", ENV, LAYOUT, store, "c", TD, {"CPUDDP_SHM_INTER": "gloo"}, pin=False)
+    assert forming.group_options(ENV, plan).inter == "gloo"  # every rank set gloo: agreed

@@ -210,7 +210,7 @@ def plan_for(
     replace: list[str] = []
 
     omp = _user_threads(env, environ, notes, replace)
-    ccl_workers = worker_count(environ) if backend in ("ccl", "oneccl") else 0
+    ccl_workers = worker_count(environ) if backend == "ccl" else 0
     run_cpus = _run_plan_cpus(env, environ, topo)
     if run_cpus is not None:  # `cpuddp run` planned this rank's CPUs: they win over the split
         topo = dataclasses.replace(topo, allowed=run_cpus)

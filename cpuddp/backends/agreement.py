@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Optional
 from cpuddp.errors import BackendError
 from cpuddp.launchers import hosts, store_values
 
+from .shm.api import INTER_VAR
 from .types import BackendChoice
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -28,6 +29,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
 
 __all__ = ["agree_backend"]
+
+#: Marks a leg the user set (CPUDDP_SHM_INTER) in the legs exchange.
+SET = "_set"
 
 log = logging.getLogger("cpuddp")
 
@@ -57,8 +61,12 @@ def agree_backend(choice: BackendChoice, requested: str, env: "DistEnv", store: 
                     "backend='gloo'",
             )
     if store is not None and choice.inter is not None:  # every rank chose shm across the same nodes
-        legs = hosts.exchange(store, f"{name}/inter", env.rank, env.world_size, choice.inter, td, what="backend")
-        legs = [store_values.backend_name(f"{name}/inter/{r}", n) for r, n in enumerate(legs)]
+        mine = choice.inter + (SET if choice.inter_set else "")
+        said = hosts.exchange(store, f"{name}/inter", env.rank, env.world_size, mine, td, what="backend")
+        said = [store_values.backend_name(f"{name}/inter/{r}", n) for r, n in enumerate(said)]
+        legs = [n[:-len(SET)] if n.endswith(SET) else n for n in said]
+        if len(set(legs)) != 1 and any(n.endswith(SET) for n in said):
+            _legs_differ(env.rank, legs, said)
         if len(set(legs)) != 1:
             if env.is_main:
                 log.warning("cpuddp: between nodes gloo, not %s: not every rank has working oneCCL bindings (%s)",
@@ -70,3 +78,13 @@ def agree_backend(choice: BackendChoice, requested: str, env: "DistEnv", store: 
     if env.is_main:
         log.info("cpuddp: backend %s (%s)", choice.name, choice.reason)
     return choice
+
+
+def _legs_differ(rank: int, legs: list[str], said: list[str]) -> None:
+    """Some rank set the leg itself and the ranks' legs differ: they would form mismatched
+    node-to-node groups (and hang there), so stop now naming each rank's."""
+    shown = ", ".join(f"rank {r}: {leg}" + (f" ({INTER_VAR})" if s.endswith(SET) else " (the rule)")
+                      for r, (leg, s) in enumerate(zip(legs, said)) if r == rank or leg != legs[rank])
+    shown = shown if len(shown) <= 400 else shown[:397] + "..."
+    raise BackendError(f"rank {rank}: the ranks' shm node-to-node legs differ: {shown}",
+                       fix=f"set the same {INTER_VAR} (gloo or ccl) on every node, or unset it everywhere")

@@ -15,12 +15,12 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 from cpuddp.errors import BackendError, CpuddpError, RendezvousError, first_line
 from cpuddp.launchers.store_values import stall_cause
 
-from .shm.api import INTER_VAR, ShmOptions
+from .shm.api import ShmOptions
 from .types import BackendChoice
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,37 +33,30 @@ __all__ = ["form_group", "group_options", "shm_options", "first_collective"]
 log = logging.getLogger("cpuddp.backends")
 
 
-def group_options(env: "DistEnv", plan: "BackendPlan", environ: Mapping[str, str]) -> Any:
+def group_options(env: "DistEnv", plan: "BackendPlan") -> Any:
     """The group's ``pg_options`` for the agreed ``plan``: the shm group's
     :class:`~cpuddp.backends.shm.api.ShmOptions` (the agreed node-to-node leg, the communication
     thread on a spare CPU of the plan, the launcher's local size, the rank's CPUs), None for the
-    others.  ``environ``: where the user's ``CPUDDP_SHM_INTER`` is read."""
+    others."""
     if plan.name != "shm":
         return None
-    return shm_options(plan.choice, environ, async_comm=plan.comm_thread, local_size=env.local_world_size,
+    return shm_options(plan.choice, async_comm=plan.comm_thread, local_size=env.local_world_size,
                        cpus=plan.compute_cpus)
 
 
-def shm_options(choice: BackendChoice, environ: Mapping[str, str], *, async_comm: Optional[bool] = None,
-                local_size: Optional[int] = None, cpus: Optional[Tuple[int, ...]] = None) -> ShmOptions:
-    """The shm group's options (``pg_options``): the rule's node-to-node leg
-    (:func:`cpuddp.backends.auto.inter_leg`) unless the user set ``CPUDDP_SHM_INTER`` (then
-    logged, and kept); ``async_comm``, ``local_size`` and ``cpus`` as :class:`~cpuddp.backends.shm.api.ShmOptions`."""
-    inter = choice.inter or "gloo"
-    user = environ.get(INTER_VAR)
-    if user is not None and user.strip():
-        if choice.inter is not None and user.strip().lower() != choice.inter:
-            log.info("cpuddp: %s=%s is your setting and is kept (the rule would take %s between nodes)",
-                     INTER_VAR, user, choice.inter)
-        inter = user.strip().lower()
-    return ShmOptions(inter=inter, async_comm=async_comm, local_size=local_size, cpus=cpus)
+def shm_options(choice: BackendChoice, *, async_comm: Optional[bool] = None, local_size: Optional[int] = None,
+                cpus: Optional[Tuple[int, ...]] = None) -> ShmOptions:
+    """The shm group's options (``pg_options``): the agreed node-to-node leg (the rule's, or the
+    user's ``CPUDDP_SHM_INTER``: :func:`cpuddp.backends.decide.user_leg`, read before the
+    agreement); ``async_comm``, ``local_size`` and ``cpus`` as :class:`~cpuddp.backends.shm.api.ShmOptions`."""
+    return ShmOptions(inter=choice.inter or "gloo", async_comm=async_comm, local_size=local_size, cpus=cpus)
 
 
 def form_group(env: "DistEnv", plan: "BackendPlan", store: Any, td: datetime.timedelta) -> None:
     """``init_process_group`` for ``plan`` with the job's store (a HashStore for a world of one)."""
     import torch.distributed as dist
 
-    backend, options = plan.name, group_options(env, plan, os.environ)
+    backend, options = plan.name, group_options(env, plan)
 
     if store is None:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td,

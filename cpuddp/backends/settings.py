@@ -71,7 +71,7 @@ def backend_env(
     ccl_paths: Optional["CclPaths"] = None,
 ) -> dict[str, str]:
     """The ``CCL_*``, ``FI_*``, ``I_MPI_ROOT`` and ``GLOO_SOCKET_IFNAME`` values to export
-    for ``choice``; pure, given the lookups.
+    for ``choice`` (oneCCL's for the ccl backend and for shm with a oneCCL leg); pure, given the lookups.
 
     Only variables absent from ``environ`` are returned (the user's setting wins).
     ``plan`` is the pinning plan (anything with a ``ccl_worker_cpus`` tuple) or None.
@@ -80,10 +80,10 @@ def backend_env(
     says where Intel MPI and libfabric's providers are; the default looks
     (:func:`find_ccl_paths`).
     """
-    name = choice if isinstance(choice, str) else choice.name
-    name = name.strip().lower()
+    if isinstance(choice, str):
+        choice = BackendChoice(choice.strip().lower(), "named")
     out: dict[str, str] = {}
-    if name == "ccl":
+    if choice.uses_ccl:  # the ccl backend, or shm whose node-to-node leg is oneCCL
         out.update(ccl_env(env, plan, environ, paths=ccl_paths))
     out.update(gloo_env(env, environ, route_lookup=route_lookup))
     return out

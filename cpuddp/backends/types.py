@@ -61,6 +61,15 @@ class BackendChoice:
     #: For shm across nodes: the backend of the group's node-to-node leg ("ccl" or "gloo",
     #: the group gets it as ``ShmOptions.inter``); None otherwise.
     inter: Optional[str] = None
+    #: True when ``inter`` is the user's ``CPUDDP_SHM_INTER`` (the ranks must agree on it: an
+    #: error names theirs where they differ), not the rule's.
+    inter_set: bool = False
+
+    @property
+    def uses_ccl(self) -> bool:
+        """Whether oneCCL carries any of the group's traffic (the backend, or shm's node-to-node
+        leg): its settings are exported and its worker cores kept free."""
+        return self.name == "ccl" or self.inter == "ccl"
 
 
 @dataclass(frozen=True)

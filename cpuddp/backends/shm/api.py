@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional, Tuple
 __all__ = ["ShmOptions", "leave_all", "abort_all", "track", "INTER_VAR"]
 
 INTER_VAR = "CPUDDP_SHM_INTER"
-_LEGS = ("gloo", "ccl")
+LEGS = ("gloo", "ccl")
 
 #: The live groups of this process (each has ``leave()`` and ``abort_peers(why)``).
 _groups: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -44,10 +44,10 @@ class ShmOptions:
     cpus: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self) -> None:
-        if self.inter not in _LEGS:
+        if self.inter not in LEGS:
             from cpuddp.errors import BackendError
 
-            raise BackendError(f"the shm group's node-to-node leg {self.inter!r} is not one of {', '.join(_LEGS)}",
+            raise BackendError(f"the shm group's node-to-node leg {self.inter!r} is not one of {', '.join(LEGS)}",
                                fix=f"set {INTER_VAR}=gloo or {INTER_VAR}=ccl (or ShmOptions(inter=...)), or unset it")
 
     @classmethod
