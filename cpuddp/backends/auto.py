@@ -26,9 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["AutoFacts", "AutoDecision", "auto_rule", "inter_leg", "RULE", "AUTO_CHOICES"]
-#: The backends "auto" can end on, in the rule's order (docs and error messages list these).
-AUTO_CHOICES = ("shm", "ccl", "gloo", "nccl")
+__all__ = ["AutoFacts", "AutoDecision", "auto_rule", "inter_leg", "RULE"]
+
 #: The rule in one sentence (README, backends.md, troubleshooting.md, doctor say the same).
 RULE = ("within a node shared memory (shm) when the node is eligible; between nodes the shm group's "
         "node-to-node leg on oneCCL when its bindings work, else gloo; where shm cannot run, oneCCL "

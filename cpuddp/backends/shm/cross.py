@@ -36,9 +36,7 @@ from .node import NodePlan
 from .ops import AVG, reducer, rows_reducer, summed
 from .stream import GatheredWork
 
-__all__ = ["Hierarchy", "cross_group", "SumThenDivide", "INTER_CHOICES"]
-
-INTER_CHOICES = ("gloo", "ccl")
+__all__ = ["Hierarchy", "cross_group", "SumThenDivide"]
 
 
 def cross_group(store: Any, plan: NodePlan, timeout: datetime.timedelta, inter: str) -> Any:
