@@ -38,8 +38,6 @@ __all__ = ["REPORT_DIR_ENV", "ERROR_FILE_ENV", "install", "print_whole", "write_
 REPORT_DIR_ENV = "CPUDDP_REPORT_DIR"
 #: torch's elastic agent: where each worker may write its error (JSON), read by the agent.
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
-#: The rank's variables, by launcher, in the order tried.
-RANK_VARS = ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
 #: A report's message is cut to this many characters.
 MAX_TEXT = 8000
 
@@ -119,11 +117,14 @@ def report_dir(environ: Mapping[str, str] = os.environ) -> Optional[str]:
 
 
 def _rank(environ: Mapping[str, str]) -> Optional[int]:
-    for name in RANK_VARS:
-        raw = environ.get(name, "").strip()
-        if raw.isdigit():
-            return int(raw)
-    return None
+    """This process's global rank as its launcher's variables give it (the launchers' own
+    readers: :func:`cpuddp.launchers.registry.detect`); None where they do not add up."""
+    from .registry import detect
+
+    try:
+        return detect(environ).rank
+    except Exception:
+        return None
 
 
 def _message(exc_type: type, exc: Optional[BaseException]) -> str:

@@ -65,8 +65,8 @@ from torch import nn
 
 from cpuddp._package import __version__
 from cpuddp.errors import CheckpointError
-from cpuddp.ranks import group_rank_world
 from cpuddp.launchers.report import note_checkpoint
+from cpuddp.ranks import group_rank_world
 
 from ..common.data import ShardedLoader
 from ..common.rank0 import all_gather_bytes, broadcast_bytes, on_rank0
