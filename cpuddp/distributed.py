@@ -77,6 +77,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Option
 
 from cpuddp.backends import forming
 from cpuddp.backends.decide import decide_backend
+from cpuddp.backends.registry import accepts
+from cpuddp.backends.types import BackendChoice, BackendName
 from cpuddp.launchers import hosts, identity, proof, report
 from cpuddp.launchers.env import DistEnv, Provenance
 from cpuddp.launchers.exports import DEFAULT_TIMEOUT, Exports, Timeout
@@ -109,12 +111,18 @@ SHUTDOWN_TIMEOUT = 10.0
 @dataclass(frozen=True)
 class Session:
     """The process group :func:`init_distributed` formed (or adopted): where the launcher put
-    this process (``env``) and what init chose for it -- the ``backend`` name and the
-    ``pin_plan`` in force (None with ``pin=False`` or an adopted group)."""
+    this process (``env``) and what init chose for it -- the backend ``choice`` (its name is
+    ``backend``; the object that knows its settings is ``choice.backend``) and the ``pin_plan`` in
+    force (None with ``pin=False`` or an adopted group)."""
 
     env: DistEnv
-    backend: str
+    choice: BackendChoice
     pin_plan: Optional["PinPlan"] = None
+
+    @property
+    def backend(self) -> str:
+        """The backend's name (as ``init_process_group`` took it)."""
+        return self.choice.name
 
     def __post_init__(self) -> None:
         self.env._attach_session(self)  # DistEnv.backend / .pin_plan forward here (deprecated)
@@ -283,8 +291,7 @@ def _adopt(env: DistEnv, backend: str) -> Session:
         )
     current = _state.current
     live = current.backend if current is not None else str(dist.get_backend())
-    asked = backend.strip().lower() if isinstance(backend, str) else backend
-    if asked != "auto" and asked != live:
+    if not accepts(backend, live):
         raise BackendError(
             f"init_distributed(backend={backend!r}) was called while a {live!r} process group exists in this process",
             fix=f"call cpuddp.shutdown() first to form a {backend!r} group, or pass backend={live!r} (or 'auto') "
@@ -293,7 +300,7 @@ def _adopt(env: DistEnv, backend: str) -> Session:
         log.debug("init_distributed: already initialized; returning the current DistEnv")
         return current
     env = env.replace(rank=dist.get_rank(), world_size=dist.get_world_size())
-    _state.current = Session(env, backend=str(dist.get_backend()))
+    _state.current = Session(env, BackendChoice(BackendName(str(dist.get_backend())), "adopted: formed before init"))
     log.debug("init_distributed: adopting an existing process group: %s (backend %s)", env, _state.current.backend)
     return _state.current
 
@@ -330,12 +337,12 @@ def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
     with affinity.thread_affinity(wide):
         # the ranks on this node as proved at init: a shm group refuses a store that later hides one
         forming.form_group(env, plan, store, td)
-        forming.first_collective(env, plan.name)
+        forming.first_collective(env, plan.choice)
         if store is not None:
             from cpuddp.watchdog import monitor as watchdog
 
             watchdog.start(env, undo.keep)
-    return Session(env, backend=plan.name, pin_plan=plan.pin_plan)
+    return Session(env, plan.choice, pin_plan=plan.pin_plan)
 
 
 def _meet(env: DistEnv, td: datetime.timedelta, environ: Mapping[str, str], undo: _Undo) -> Optional["Store"]:

@@ -259,13 +259,21 @@ def test_bad_omp_num_threads(value: str) -> None:
     assert "OMP_NUM_THREADS" in str(e.value).splitlines()[-1]
 
 
+def backend_workers(name: str, environ: dict) -> int:
+    """The worker cores the backend's object keeps free: what init passes ``plan_for``."""
+    from cpuddp.backends import BackendChoice, backend_for
+
+    return backend_for(name).worker_cores(BackendChoice(name, "test"), environ)
+
+
 def test_ccl_backend_reserves_worker_count() -> None:
     topo = synthetic_topology(1, 8)
-    p = plan_for(denv("hydra"), backend="ccl", environ={"CCL_WORKER_COUNT": "2"}, topology=topo)
+    two = {"CCL_WORKER_COUNT": "2"}
+    p = plan_for(denv("hydra"), workers=backend_workers("ccl", two), environ=two, topology=topo)
     assert p.ccl_worker_cpus == (0, 1) and p.cpus == (2, 3)
-    default = plan_for(denv("hydra"), backend="ccl", environ={}, topology=topo)
+    default = plan_for(denv("hydra"), workers=backend_workers("ccl", {}), environ={}, topology=topo)
     assert default.ccl_worker_cpus == (0,)
-    assert plan_for(denv("hydra"), backend="gloo", environ={"CCL_WORKER_COUNT": "2"}, topology=topo).ccl_worker_cpus == ()
+    assert plan_for(denv("hydra"), workers=backend_workers("gloo", two), environ=two, topology=topo).ccl_worker_cpus == ()
 
 
 @pytest.mark.parametrize(
@@ -426,7 +434,7 @@ def test_ccl_worker_affinity_matches_backends() -> None:
     topo = synthetic_topology(1, 8)
     for r in range(2):
         e = denv("hydra", r)
-        p = plan_for(e, backend="ccl", environ={}, topology=topo)
+        p = plan_for(e, workers=backend_workers("ccl", {}), environ={}, topology=topo)
         assert backends.ccl_env(e, p, {})["CCL_WORKER_AFFINITY"] == p.env["CCL_WORKER_AFFINITY"]
 
 
@@ -451,11 +459,13 @@ def test_ccl_worker_count_has_one_rule(bad: str) -> None:
     # backend's settings read it with the same parser, so both refuse the same values.
     backends = pytest.importorskip("cpuddp.backends")
     topo = synthetic_topology(1, 8)
+    environ = {"CCL_WORKER_COUNT": bad}
     with pytest.raises(LauncherEnvError) as planned:
-        plan_for(denv("hydra"), backend="ccl", environ={"CCL_WORKER_COUNT": bad}, topology=topo)
+        plan_for(denv("hydra"), workers=backend_workers("ccl", environ), environ=environ, topology=topo)
     with pytest.raises(LauncherEnvError) as exported:
         backends.ccl_env(denv("hydra"), None, {"CCL_WORKER_COUNT": bad})
     for info in (planned, exported):
         assert info.value.variable == "CCL_WORKER_COUNT" and info.value.value == bad
     # a backend that is not ccl does not read it
-    assert plan_for(denv("hydra"), backend="gloo", environ={"CCL_WORKER_COUNT": bad}, topology=topo).ccl_worker_cpus == ()
+    assert plan_for(denv("hydra"), workers=backend_workers("gloo", environ), environ=environ,
+                    topology=topo).ccl_worker_cpus == ()

@@ -85,7 +85,8 @@ def test_the_public_api_is_pinned():
 #: before the areas became subpackages; adding or removing one must change this test).
 SUBMODULES = {
     "cpuddp.backends": {
-        "BackendStatus", "BackendChoice", "BackendSpec", "Lookups", "BACKENDS", "available_backends",
+        "BackendStatus", "BackendChoice", "BackendName", "BackendSpec", "backend_for", "Lookups", "BACKENDS",
+        "available_backends",
         "backend_status", "resolve_backend", "load_backend", "backend_env", "ccl_env", "ccl_settings", "CclPaths",
         "find_ccl_paths", "explain_collective_failure", "gloo_env", "register_backend", "unregister_backend",
         "ccl_pairing", "ccl_module_for", "CCL_DISTRIBUTIONS", "SKIP_VERSION_CHECK_VAR"},

@@ -7,7 +7,7 @@ import pytest
 
 from cpuddp.backends.shm import check as shm_check
 from cpuddp.backends.auto import RULE, AutoFacts, auto_rule
-from cpuddp.backends.forming import shm_options
+from cpuddp.backends.shm.backend import shm_options
 from cpuddp.backends.settings import backend_env
 from cpuddp.backends.types import BackendChoice
 from cpuddp.backends import resolve_backend
@@ -108,11 +108,15 @@ def test_doctor_light_path_agrees_with_init():
 # --------------------------------------------------------------------------- the shm group's options
 
 
+def user_leg(choice, environ):
+    """What decide asks of every choice before the agreement (shm: its CPUDDP_SHM_INTER)."""
+    return choice.backend.with_user_settings(choice, environ)
+
+
 def test_the_leg_travels_as_group_options_and_the_users_setting_wins(caplog):
     """The node-to-node leg is a process-group option (ShmOptions), never an exported variable;
-    the user's CPUDDP_SHM_INTER is read once, before the agreement (decide.user_leg)."""
-    from cpuddp.backends.decide import user_leg
-
+    the user's CPUDDP_SHM_INTER is read once, before the agreement (the backend's
+    with_user_settings, which decide asks of every choice)."""
     choice = BackendChoice("shm", "auto", "cpuddp.shm", inter="ccl")
     assert shm_options(choice).inter == "ccl"
     assert user_leg(choice, {}) is choice
@@ -129,7 +133,6 @@ def test_the_leg_travels_as_group_options_and_the_users_setting_wins(caplog):
 
 
 def test_a_leg_that_is_neither_gloo_nor_ccl_is_a_clear_error():
-    from cpuddp.backends.decide import user_leg
     from cpuddp.errors import BackendError
 
     with pytest.raises(BackendError, match=r"CPUDDP_SHM_INTER='mpi'.*\n.*CPUDDP_SHM_INTER=gloo or CPUDDP_SHM_INTER=ccl"):
@@ -170,3 +173,25 @@ def test_auto_reaches_one_answer_on_every_node_of_an_uneven_job():
     assert len({c.name for c in got}) == 1 and got[0].name != "shm", got
     assert "a node of this job runs 1 rank" in got[0].reason, got[0].reason
     assert resolve_backend("auto", two, environ=env, node_cpus=8, smallest_node=2).name == "shm"
+
+
+def test_a_oneccl_leg_loads_the_bindings_as_backend_ccl_does(monkeypatch):
+    """The node-to-node leg is formed by the ccl backend's object: bindings that do not match
+    torch are refused with the reason (shm/cross.py imported oneccl_bindings_for_pytorch itself,
+    skipping the version check -- a mismatched wheel can abort the interpreter -- and the old
+    torch_ccl module name)."""
+    import dataclasses
+    import datetime
+    import sys
+    from types import SimpleNamespace
+
+    from cpuddp.backends.shm.cross import cross_group
+    from cpuddp.backends.types import BACKENDS
+    from cpuddp.errors import BackendError
+
+    said = "oneccl_bind_pt 2.8.0 was built for torch 2.8, not torch 2.13.0"
+    monkeypatch.setitem(BACKENDS, "ccl", dataclasses.replace(BACKENDS["ccl"], probe=lambda lk: (False, said)))
+    monkeypatch.setitem(sys.modules, "oneccl_bindings_for_pytorch", None)  # importing it would raise ImportError
+    with pytest.raises(BackendError, match="node-to-node leg is oneCCL, but oneccl_bind_pt 2.8.0 was built") as info:
+        cross_group(object(), SimpleNamespace(node=0, nodes=2), datetime.timedelta(seconds=5), "ccl")
+    assert "CPUDDP_SHM_INTER=gloo" in info.value.fix

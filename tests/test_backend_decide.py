@@ -104,15 +104,15 @@ def test_shm_with_a_oneccl_leg_gets_oneccls_settings_and_worker_cores(monkeypatc
     _shm_everywhere(monkeypatch, {})
     asked = []
     monkeypatch.setattr(settings, "ccl_env", lambda env, plan, environ, paths=None: {"CCL_WORKER_COUNT": "1"})
-    monkeypatch.setattr(decide, "plan_for", lambda env, backend, **kw: asked.append(backend) or pin.plan_for(
-        env, backend=backend, **kw))
+    monkeypatch.setattr(decide, "plan_for", lambda env, workers, **kw: asked.append(workers) or pin.plan_for(
+        env, workers=workers, **kw))
     store = dist.HashStore()
     for r in (1, 2, 3):
         store.set(f"b/{r}", "shm")
         store.set(f"b/inter/{r}", "ccl")
     plan = decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=True)
     assert plan.choice.inter == "ccl" and plan.env.get("CCL_WORKER_COUNT") == "1", plan.env
-    assert asked == ["ccl"]  # the pinning plan makes room for oneCCL's workers
+    assert asked == [1]  # the pinning plan makes room for oneCCL's worker (CCL_WORKER_COUNT's default)
 
 
 def test_a_leg_the_user_set_differently_on_another_node_is_an_error_naming_both(monkeypatch):

@@ -128,6 +128,7 @@ def test_real_gloo_group(run_distributed, world_size):
 def test_a_failed_first_collective_is_explained_with_the_transport_and_the_fix(monkeypatch):
     """The group formed but cannot communicate: init's check raises the backend's explanation."""
     from cpuddp.backends.forming import first_collective
+    from cpuddp.backends.types import BackendChoice
     from cpuddp.errors import BackendError
 
     def broken(*args, **kwargs):
@@ -136,5 +137,5 @@ def test_a_failed_first_collective_is_explained_with_the_transport_and_the_fix(m
     monkeypatch.setattr(dist, "all_reduce", broken)
     monkeypatch.setenv("CCL_ATL_TRANSPORT", "ofi")
     with pytest.raises(BackendError, match="failed to initialize ATL") as info:
-        first_collective(DistEnv(world_size=2), "ccl")
+        first_collective(DistEnv(world_size=2), BackendChoice("ccl", "named"))
     assert "oneCCL transport CCL_ATL_TRANSPORT=ofi" in str(info.value)

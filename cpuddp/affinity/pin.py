@@ -25,10 +25,12 @@ in :mod:`cpuddp.affinity.plan` with :class:`~cpuddp.affinity.plan.PinPlan` and i
 - Hyperthread siblings go unused (``use_hyperthreads=True`` uses them), unless there are
   more local ranks than physical cores; then one logical CPU per rank.  More ranks than
   logical CPUs: ranks share CPUs, one thread each, and a warning gives the numbers.
-- Backend ``ccl``: the first ``CCL_WORKER_COUNT`` (default 1; read by
-  :func:`cpuddp.affinity.ccl_workers.worker_count`, which refuses what oneCCL refuses, e.g. 0) cores
-  of each rank's share go to oneCCL's workers (``CCL_WORKER_AFFINITY``), when the share has
-  more than that; else the workers share the compute cores, with a warning.
+- A backend with worker threads (oneCCL, for the ccl backend and for shm's oneCCL leg: the
+  backend's object says how many, :meth:`cpuddp.backends.types.BackendSpec.worker_cores`, from
+  ``CCL_WORKER_COUNT``, default 1, read by :func:`cpuddp.affinity.ccl_workers.worker_count`,
+  which refuses what oneCCL refuses, e.g. 0): the first ``workers`` cores of each rank's share
+  go to them (``CCL_WORKER_AFFINITY``), when the share has more than that; else the workers
+  share the compute cores, with a warning.
 - Threads = CPUs in the plan, capped by the rank's part of a cgroup CPU quota.
 
 The user wins (:func:`plan_for`):
@@ -74,7 +76,6 @@ from cpuddp.topology import here
 from cpuddp.topology.model import Topology, format_cpulist, parse_cpulist
 from cpuddp.topology.read import read_topology
 
-from .ccl_workers import worker_count
 from .plan import PinPlan, plan_pinning
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -189,7 +190,7 @@ def _run_plan_cpus(env: "DistEnv", environ: Mapping[str, str], topo: Topology) -
 def plan_for(
     env: "DistEnv",
     *,
-    backend: str = "gloo",
+    workers: int = 0,
     environ: Optional[Mapping[str, str]] = None,
     topology: Optional[Topology] = None,
     use_hyperthreads: bool = False,
@@ -199,6 +200,8 @@ def plan_for(
     ``topology``), with the user-wins rules of the module docstring applied from ``environ``
     (default ``os.environ``, only read) and ``env.launcher``.
 
+    ``workers``: the cores of each rank the backend's worker threads need (what its object's
+    ``worker_cores`` says: oneCCL's ``CCL_WORKER_COUNT``; 0 for gloo, and for shm without a oneCCL leg).
     ``local_cpus``: the allowed CPU sets of every rank on this node, in local-rank order, as
     gathered at init.  Pairwise disjoint sets mean something already bound each rank
     (``numactl``, ``srun --cpu-bind``, ``mpirun --bind-to``): the plan stays inside this
@@ -210,7 +213,6 @@ def plan_for(
     replace: list[str] = []
 
     omp = _user_threads(env, environ, notes, replace)
-    ccl_workers = worker_count(environ) if backend == "ccl" else 0
     run_cpus = _run_plan_cpus(env, environ, topo)
     if run_cpus is not None:  # `cpuddp run` planned this rank's CPUs: they win over the split
         topo = dataclasses.replace(topo, allowed=run_cpus)
@@ -221,7 +223,7 @@ def plan_for(
         topo,
         env.local_rank,
         L,
-        ccl_workers=ccl_workers,
+        ccl_workers=workers,
         omp_num_threads=omp,
         use_hyperthreads=use_hyperthreads,
         bound_by=bound_by,

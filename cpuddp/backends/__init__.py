@@ -17,23 +17,25 @@ imports torch or a binding, so they are plain imports (docs/code.md, "Lazy names
 from __future__ import annotations
 
 from .ccl import CCL_DISTRIBUTIONS, SKIP_VERSION_CHECK_VAR, ccl_module_for, ccl_pairing
-from .failure import explain_collective_failure
 from .registry import (
     BACKENDS,
     available_backends,
     backend_status,
+    explain_collective_failure,
     load_backend,
     register_backend,
     resolve_backend,
     unregister_backend,
 )
 from .settings import CclPaths, backend_env, ccl_env, ccl_settings, find_ccl_paths, gloo_env
-from .types import BackendChoice, BackendSpec, BackendStatus, Lookups
+from .types import BackendChoice, BackendName, BackendSpec, BackendStatus, Lookups, backend_for
 
 __all__ = [
     "BackendStatus",
     "BackendChoice",
+    "BackendName",
     "BackendSpec",
+    "backend_for",
     "Lookups",
     "BACKENDS",
     "available_backends",

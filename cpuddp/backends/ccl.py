@@ -8,20 +8,34 @@ the module is ``oneccl_bindings_for_pytorch`` from 1.12 on and ``torch_ccl`` bef
 binding matches when :func:`cpuddp._compat.torch_pairing` says so (same major.minor, plus the
 exact pairs in :data:`CCL_EXACT_TORCH`).  A binding whose version names another torch is
 import-probed in a child process (:mod:`cpuddp.backends.ccl_probe`) and used when that import works.
-``CPUDDP_CCL_SKIP_VERSION_CHECK=1`` skips both checks.  :mod:`cpuddp.backends` registers
-:func:`ccl_status` as the ``ccl`` backend's check.
+``CPUDDP_CCL_SKIP_VERSION_CHECK=1`` skips both checks.
+
+:class:`CclBackend` is the ``ccl`` backend as the pipeline sees it (:mod:`cpuddp.backends.types`):
+:func:`ccl_status` its check, :func:`ccl_fix` what a refusal says, the import refused unless it
+was checked against torch, oneCCL's variables (:func:`cpuddp.backends.settings.ccl_env`) and
+worker cores (``CCL_WORKER_COUNT``), its failure explained (:func:`cpuddp.backends.failure.ccl_failure`),
+and a group of it as the shm group's node-to-node leg.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Tuple
+import datetime
+import sys
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence, Tuple
 
 from cpuddp._compat import torch_pairing
+from cpuddp.affinity.ccl_workers import worker_count
+from cpuddp.errors import BackendError
 
-from .types import BackendStatus, Lookups, _canon, _torch_version, _truthy
+from .failure import ccl_failure
+from .settings import ccl_env
+from .types import BackendChoice, BackendName, BackendSpec, BackendStatus, Lookups, _canon, _lookups, _torch_version, _truthy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from cpuddp.launchers.env import DistEnv
 
 __all__ = ["CCL_DISTRIBUTIONS", "CCL_EXACT_TORCH", "SKIP_VERSION_CHECK_VAR", "ccl_module_for", "ccl_pairing",
-           "ccl_status", "ccl_fix"]
+           "ccl_status", "ccl_fix", "CclBackend"]
 
 #: Distributions that carry the oneCCL bindings, in the order they are looked up.
 #: ``oneccl_bind_pt`` is the wheel's name since 1.10 (whatever its module); ``torch-ccl``
@@ -186,3 +200,59 @@ def ccl_fix(torch_version: Optional[str]) -> str:
         f"cleanly is accepted whatever its version; {SKIP_VERSION_CHECK_VAR}=1 skips every check), or pass "
         f"backend='gloo'"
     )
+
+
+# --------------------------------------------------------------------------- the backend
+
+
+class CclBackend(BackendSpec):
+    """oneCCL through its PyTorch bindings: what is its own of every step (the module docstring)."""
+
+    def refusal(self, st: BackendStatus, lk: Lookups) -> BackendError:
+        return BackendError(f"backend={self.name!r} was requested, but {st.reason}", fix=ccl_fix(_torch_version(lk)))
+
+    def auto_choice(self, reason: str, inter: Optional[str], lk: Lookups, probe_torch: bool) -> BackendChoice:
+        st = self.status(lk)
+        return BackendChoice(self.name, f"auto: {reason}", st.module, BackendName.AUTO, st.version, st.distribution,
+                             True)
+
+    def worker_cores(self, choice: BackendChoice, environ: Mapping[str, str]) -> int:
+        return worker_count(environ)
+
+    def settings(self, env: "DistEnv", choice: BackendChoice, plan: Any, environ: Mapping[str, str], *,
+                 paths: Any = None) -> dict[str, str]:
+        return ccl_env(env, plan, environ, paths=paths)
+
+    def _before_import(self, choice: BackendChoice) -> None:
+        """Refuse bindings that do not match torch, even for a choice made elsewhere (importing
+        them can abort the interpreter)."""
+        if choice.verified or choice.module in sys.modules:
+            return
+        import torch
+
+        st = self.status(_lookups())
+        if not st.available or st.module != choice.module:
+            raise BackendError(f"refusing to import {choice.module}: {st.reason}", fix=ccl_fix(torch.__version__))
+
+    def _import_fix(self, pkg: str, torch_version: str) -> str:
+        return f"reinstall {pkg} for torch {torch_version}"
+
+    def explain_failure(self, environ: Mapping[str, str], exc: BaseException) -> BackendError:
+        return ccl_failure(self.name, environ, exc)
+
+    def create_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        """A oneCCL group for the shm group's node-to-node leg: the bindings loaded as for
+        ``backend="ccl"`` (checked against torch, under either module name)."""
+        import torch.distributed as dist
+
+        st = self.status(_lookups())
+        if not st.available:
+            raise BackendError(f"the shm group's node-to-node leg is oneCCL, but {st.reason}",
+                               fix="use gloo between nodes (CPUDDP_SHM_INTER=gloo), or " + ccl_fix(_torch_version(_lookups())))
+        self.load(BackendChoice(self.name, "the shm group's node-to-node leg", st.module, version=st.version,
+                                distribution=st.distribution, verified=True))
+        plugin = dist.Backend._plugins.get(self.name.upper())
+        if plugin is None:
+            raise BackendError("the shm group's node-to-node leg is oneCCL, but the oneCCL bindings registered no "
+                               "'ccl' backend", fix="use gloo between nodes, or install working oneCCL bindings")
+        return plugin.creator_fn(store, rank, size, timeout)

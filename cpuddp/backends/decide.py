@@ -9,9 +9,11 @@ The pass, in order:
 
 1. **Choose** (:func:`cpuddp.backends.registry.resolve_backend`): this rank's own choice, from
    the proven layout ("auto" takes shm only when every node runs 2+ ranks).
-2. **Plan** for that choice: the pinning plan (:func:`cpuddp.affinity.pin.plan_for`) and the
-   settings to export (:func:`cpuddp.backends.settings.backend_env`, only what the user has not
-   set).  Pure: nothing is carried out before step 3 has passed.
+2. **Plan** for that choice, asking the backend's object (:class:`~cpuddp.backends.types.BackendSpec`)
+   what is its own: the user's variables that change the choice (shm's ``CPUDDP_SHM_INTER``),
+   the worker cores to keep free in the pinning plan (:func:`cpuddp.affinity.pin.plan_for`),
+   and the settings to export (:func:`cpuddp.backends.settings.backend_env`, only what the user
+   has not set).  Pure: nothing is carried out before step 3 has passed.
 3. **Agree** (:func:`cpuddp.backends.agreement.agree_backend`), last: every rank's choice through the job's store.  Each
    rank keeps the choice it made itself: what the store says of the others' can stop the job,
    never change its backend; ranks that disagree -- under ``"auto"`` too -- are a
@@ -24,20 +26,16 @@ The pass, in order:
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
-import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional, Tuple
 
 from cpuddp.affinity.pin import plan_for
-from cpuddp.errors import BackendError
 from cpuddp.topology import here
 
 from . import agreement, registry
 from .settings import backend_env
-from .shm.api import INTER_VAR, LEGS
 from .types import BackendChoice
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -47,9 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
     from cpuddp.launchers.hosts import Layout
 
-__all__ = ["BackendPlan", "decide_backend", "user_leg"]
-
-log = logging.getLogger("cpuddp.backends")
+__all__ = ["BackendPlan", "decide_backend"]
 
 
 @dataclass(frozen=True)
@@ -96,25 +92,8 @@ def decide_backend(requested: str, env: "DistEnv", layout: Optional["Layout"], s
     smallest = min(len(n) for n in layout.nodes) if layout is not None else None
     own = registry.resolve_backend(requested, env, environ=environ, node_cpus=node_cpus,
                                    smallest_node=smallest)  # through the module: tests replace it
-    own = user_leg(own, environ)  # before the agreement: the ranks compare what each will form
-    room_for = "ccl" if own.uses_ccl else own.name  # oneCCL's worker cores, for its leg too
-    pin_plan = plan_for(env, backend=room_for, environ=environ, local_cpus=local_cpus) if pin else None
+    own = own.backend.with_user_settings(own, environ)  # before the agreement: the ranks compare what each forms
+    workers = own.backend.worker_cores(own, environ)  # oneCCL's worker cores, for shm's oneCCL leg too
+    pin_plan = plan_for(env, workers=workers, environ=environ, local_cpus=local_cpus) if pin else None
     settings = backend_env(env, own, pin_plan, os.environ)
     return BackendPlan(agreement.agree_backend(own, requested, env, store, key, td), pin_plan, settings)
-
-
-def user_leg(choice: BackendChoice, environ: Mapping[str, str]) -> BackendChoice:
-    """``choice`` with shm's node-to-node leg the user's ``CPUDDP_SHM_INTER`` where it is set
-    (logged when it overrides the rule), checked; the one place the variable is read for a group
-    that init forms."""
-    raw = environ.get(INTER_VAR)
-    if choice.name != "shm" or raw is None or not raw.strip():
-        return choice
-    leg = raw.strip().lower()
-    if leg not in LEGS:
-        raise BackendError(f"{INTER_VAR}={raw!r}: the shm group's node-to-node leg is one of {', '.join(LEGS)}",
-                           fix=f"set {INTER_VAR}=gloo or {INTER_VAR}=ccl, or unset it (the rule then picks)")
-    if choice.inter is not None and leg != choice.inter:
-        log.info("cpuddp: %s=%s is your setting and is kept (the rule would take %s between nodes)",
-                 INTER_VAR, raw, choice.inter)
-    return dataclasses.replace(choice, inter=leg, inter_set=True)

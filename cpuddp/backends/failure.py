@@ -13,8 +13,9 @@ from typing import Mapping, Tuple
 from cpuddp.errors import BackendError
 
 from .settings import _FI_PROVIDER_GLOB, _IMPI_ROOT_VARS, _has
+from .types import backend_for, failed_line
 
-__all__ = ["explain_collective_failure"]
+__all__ = ["explain_collective_failure", "ccl_failure"]
 
 #: oneCCL's messages for a transport that cannot start, and what to do about each.
 _CCL_FAILURES: Tuple[Tuple[str, str], ...] = (
@@ -35,23 +36,20 @@ _CCL_VARS = ("CCL_ATL_TRANSPORT", "CCL_ATL_SHM", "CCL_PROCESS_LAUNCHER", "FI_PRO
 
 
 def explain_collective_failure(backend_name: str, environ: Mapping[str, str], exc: BaseException) -> BackendError:
-    """The :class:`BackendError` for a group whose first collective failed.
+    """The :class:`BackendError` for a group whose first collective failed: the backend's own
+    explanation (:meth:`~cpuddp.backends.types.BackendSpec.explain_failure`).
 
     Its last line names the transport, the variables that steer it (as they are in
     ``environ``) and the fix: a known oneCCL failure gets its own fix, anything else the
     ways to narrow it down.  ``exc`` is what the collective raised.
     """
-    name = (backend_name or "").strip().lower()
-    rank = environ.get("RANK", "?")
-    said = " ".join(str(exc).split())
-    if len(said) > 600:
-        said = said[:600] + " ..."
-    msg = f"rank {rank}: the {name} group formed, but its first all_reduce failed: {type(exc).__name__}: {said}"
-    if name != "ccl":
-        ifname = environ.get("GLOO_SOCKET_IFNAME")
-        return BackendError(msg, fix=f"{name} over GLOO_SOCKET_IFNAME={ifname or 'unset'}: check that every rank's log "
-                                     f"shows the same backend, that the hosts reach each other on that interface, "
-                                     f"or pass backend='gloo' to rule {name} out")
+    return backend_for(backend_name or "").explain_failure(environ, exc)
+
+
+def ccl_failure(name: str, environ: Mapping[str, str], exc: BaseException) -> BackendError:
+    """oneCCL's explanation (:class:`cpuddp.backends.ccl.CclBackend`): the transport, its
+    variables, and a known failure's fix or the ways to narrow it down."""
+    msg = failed_line(name, environ, exc)
     transport = environ.get("CCL_ATL_TRANSPORT", "ofi (oneCCL's default)")
     shown = ", ".join(f"{k}={environ[k]}" if environ.get(k) else f"{k} unset" for k in _CCL_VARS[1:])
     text = f"{exc}"

@@ -28,8 +28,11 @@ import succeeds -- "built for this torch (import probe passed)" -- and is never 
 this interpreter when it fails.  ``CPUDDP_CCL_SKIP_VERSION_CHECK=1`` skips both checks and
 trusts the binding.
 
-Loading (:func:`load_backend`) imports torch first, then the backend's module, and checks
-that the module registered the backend name with ``torch.distributed``.
+Each backend is one object (:class:`~cpuddp.backends.types.BackendSpec`; torch's own in
+:mod:`cpuddp.backends.torch_backends`, oneCCL's :class:`~cpuddp.backends.ccl.CclBackend`, shm's
+:class:`~cpuddp.backends.shm.backend.ShmBackend`): this module registers them and asks them,
+never comparing a name.  Loading (:func:`load_backend`) imports torch first, then the backend's
+module, and checks that the module registered the backend name with ``torch.distributed``.
 
 Configuring (:func:`cpuddp.backends.settings.backend_env`, pure) returns the variables to export
 before ``init_process_group``; a variable the user set is never in it (the table is in
@@ -45,27 +48,28 @@ Environment variables read: ``CPUDDP_CCL_SKIP_VERSION_CHECK`` and :mod:`cpuddp.b
 
 from __future__ import annotations
 
-import importlib
 import logging
 import re
-import sys
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 from cpuddp.errors import BackendError
-from cpuddp.launchers.registry import starts_mpi_world
 
-from .auto import AutoFacts, auto_rule, inter_leg
+from .auto import AutoFacts, auto_rule
+from .ccl import CclBackend, ccl_status
+from .failure import explain_collective_failure
 from .shm import api as shm_api
-from .ccl import ccl_fix, ccl_status
+from .shm.backend import ShmBackend
+from .torch_backends import GlooBackend, MpiBackend, NcclBackend, torch_probe
 from .types import (
+    BACKENDS,
     BackendChoice,
+    BackendName,
     BackendSpec,
     BackendStatus,
     ImportProbe,
     Lookups,
     ProbeResult,
     _lookups,
-    _torch_version,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -81,58 +85,15 @@ __all__ = [
     "unregister_backend",
     "leave_all",
     "abort_all",
+    "accepts",
+    "explain_collective_failure",
 ]
 
 log = logging.getLogger("cpuddp.backends")
 
 
-# --------------------------------------------------------------------------- checks
-
-
-def _torch_probe(check: str, what: str) -> Callable[[Lookups], BackendStatus]:
-    def probe(lk: Lookups) -> Tuple[bool, str]:
-        import torch.distributed as dist
-
-        if not dist.is_available():
-            return False, "torch was built without torch.distributed"
-        ok = bool(getattr(dist, check, lambda: False)())
-        return ok, (f"built into torch {_torch_version(lk)}" if ok else what)
-
-    return probe  # type: ignore[return-value]
-
-
-def _nccl_probe(lk: Lookups) -> Tuple[bool, str]:
-    import torch
-
-    ok, reason = _torch_probe("is_nccl_available", "torch was built without NCCL")(lk)  # type: ignore[misc]
-    if ok and not torch.cuda.is_available():
-        return False, "torch has NCCL but sees no CUDA device (torch.cuda.is_available() is False)"
-    return ok, reason
-
-
-def _generic_status(spec: BackendSpec, lk: Lookups) -> BackendStatus:
-    version = lk.metadata(spec.distribution) if spec.distribution else None
-    if spec.probe is not None:
-        result = spec.probe(lk)
-        if isinstance(result, BackendStatus):
-            return result
-        if isinstance(result, tuple):
-            ok, reason = bool(result[0]), str(result[1])
-        else:
-            ok, reason = bool(result), ("the plug-in's check passed" if result else "the plug-in's check failed")
-        return BackendStatus(spec.name, ok, reason, version, spec.module, spec.devices, spec.distribution)
-    if spec.module is None:
-        return BackendStatus(spec.name, True, "registered without a module or check", version, None, spec.devices, spec.distribution)
-    pkg = f" ({spec.distribution} {version})" if version else (f" ({spec.distribution} is not installed)" if spec.distribution else "")
-    if lk.find_module(spec.module):
-        return BackendStatus(spec.name, True, f"module {spec.module} found{pkg}", version, spec.module, spec.devices, spec.distribution)
-    return BackendStatus(spec.name, False, f"module {spec.module} not found{pkg}", version, spec.module, spec.devices, spec.distribution)
-
-
 # --------------------------------------------------------------------------- registry
 
-#: name -> :class:`BackendSpec`.  Extend it with :func:`register_backend`.
-BACKENDS: dict[str, BackendSpec] = {}
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 
 
@@ -159,8 +120,8 @@ def register_backend(
     ``torch.distributed.Backend``.  ``replace=True`` overrides an existing entry.  ``leave`` and
     ``abort``: the backend's lifecycle hooks (:class:`~cpuddp.backends.types.BackendSpec`).
     """
-    key = name.strip().lower() if isinstance(name, str) else ""
-    if not _NAME.match(key) or key == "auto":
+    key = BackendName(name) if isinstance(name, str) else ""
+    if not _NAME.match(key) or key in _REQUESTS:
         raise ValueError(
             f"backend name {name!r} is not valid: use lowercase letters, digits and '_', "
             f"starting with a letter, and not 'auto'"
@@ -170,15 +131,18 @@ def register_backend(
     devs = (devices,) if isinstance(devices, str) else tuple(devices)
     if not devs:
         raise ValueError(f"backend {key!r}: devices must name at least one device type, e.g. ('cpu',)")
-    spec = BackendSpec(key, module=module, devices=devs, distribution=distribution, probe=probe,
-                       description=description, leave=leave, abort=abort)
-    BACKENDS[key] = spec
+    return _add(BackendSpec(key, module=module, devices=devs, distribution=distribution, probe=probe,
+                            description=description, leave=leave, abort=abort))
+
+
+def _add(spec: BackendSpec) -> BackendSpec:
+    BACKENDS[spec.name] = spec
     return spec
 
 
 def unregister_backend(name: str) -> None:
     """Remove a registry entry (no error when absent)."""
-    BACKENDS.pop(name.strip().lower(), None)
+    BACKENDS.pop(BackendName(name), None)
 
 
 def leave_all() -> None:
@@ -195,44 +159,14 @@ def abort_all(why: str) -> None:
             spec.abort(why)
 
 
-def _shm_probe(lk: Lookups) -> Tuple[bool, str]:
-    from cpuddp.backends.shm.check import probe
-
-    return probe(lk)
-
-
-register_backend("ccl", devices=("cpu", "xpu"), distribution="oneccl_bind_pt", probe=ccl_status,
-                 description="Intel oneCCL through its PyTorch bindings (oneccl_bind_pt)")
-register_backend("gloo", devices=("cpu", "cuda"), probe=_torch_probe("is_gloo_available", "torch was built without gloo"),
-                 description="torch's built-in CPU backend")
-register_backend("mpi", devices=("cpu", "cuda"),
-                 probe=_torch_probe("is_mpi_available", "torch was built without MPI (build torch from source against an MPI)"),
-                 description="torch's MPI backend (needs a torch built with MPI and an MPI launcher)")
-register_backend("nccl", devices=("cuda",), probe=_nccl_probe, description="NVIDIA NCCL, for models on CUDA")
-register_backend("accl", module="torch_accl", devices=("cuda",), distribution="torch_accl",
-                 description="Alibaba ACCL plug-in (import torch_accl, backend 'accl')")
-register_backend("shm", module="cpuddp.shm", devices=("cpu",), probe=_shm_probe, leave=shm_api.leave_all,
-                 abort=shm_api.abort_all,
-                 description="cpuddp's shared-memory collectives within a node, gloo or oneCCL between nodes "
-                             "(cpuddp.shm)")
-
 def backend_status(name: str, *, metadata: Any = None, find_module: Any = None,
                    environ: Optional[Mapping[str, str]] = None,
                    import_probe: Optional[ImportProbe] = None) -> BackendStatus:
     """The :class:`BackendStatus` of one registered backend (see :func:`available_backends`)."""
-    key = name.strip().lower()
-    spec = BACKENDS.get(key)
+    spec = BACKENDS.get(BackendName(name))
     if spec is None:
         raise _unknown(name)
-    return _status(spec, _lookups(metadata, find_module, environ, import_probe))
-
-
-def _status(spec: BackendSpec, lk: Lookups) -> BackendStatus:
-    try:
-        return _generic_status(spec, lk)
-    except Exception as exc:  # one broken plug-in check must not hide the others
-        return BackendStatus(spec.name, False, f"its check raised {type(exc).__name__}: {exc}",
-                             module=spec.module, devices=spec.devices, distribution=spec.distribution)
+    return spec.status(_lookups(metadata, find_module, environ, import_probe))
 
 
 def available_backends(*, metadata: Any = None, find_module: Any = None,
@@ -247,7 +181,7 @@ def available_backends(*, metadata: Any = None, find_module: Any = None,
     set of module names), ``environ`` and ``import_probe`` replace the real lookups, for tests.
     """
     lk = _lookups(metadata, find_module, environ, import_probe)
-    return [_status(spec, lk) for spec in BACKENDS.values()]
+    return [spec.status(lk) for spec in BACKENDS.values()]
 
 
 # --------------------------------------------------------------------------- resolve
@@ -288,105 +222,89 @@ def resolve_backend(
     found).  Never falls back from a named backend to another."""
     if not isinstance(requested, str):
         raise _unknown(requested)
-    name = requested.strip().lower()
+    name = BackendName(requested)
     lk = _lookups(metadata, find_module, environ)
-    if name == "auto":
-        return _auto(env, lk, (device or "cpu").strip().lower(), node_cpus, probe_torch, smallest_node)
+    special = _REQUESTS.get(name)
+    if special is not None:
+        return special(env, lk, (device or "cpu").strip().lower(), node_cpus, probe_torch, smallest_node)
     spec = BACKENDS.get(name)
     if spec is None:
         raise _unknown(requested)
-    st = _status(spec, lk)
+    st = spec.status(lk)
     if not st.available:
-        if name == "ccl":
-            torch_version = _torch_version(lk)
-            raise BackendError(
-                f"backend='ccl' was requested, but {st.reason}",
-                fix=ccl_fix(torch_version),
-            )
-        pkg = f" (pip distribution {st.distribution})" if st.distribution else ""
-        raise BackendError(
-            f"backend={name!r} was requested, but it cannot run here: {st.reason}",
-            fix=f"install it{pkg}, or pass backend='auto' or 'gloo'",
-        )
-    if name == "mpi" and env.world_size > 1 and not starts_mpi_world(env.launcher):
-        raise BackendError(
-            f"backend='mpi' needs ranks started by an MPI launcher, but this job was started by "
-            f"{env.launcher!r} (each rank would be an MPI world of its own)",
-            fix="launch with mpiexec/mpirun/srun --mpi, or pass backend='gloo'",
-        )
-    if device is not None and device.strip().lower() not in spec.devices:
-        raise BackendError(
-            f"backend={name!r} serves {', '.join(spec.devices)} tensors, not {device!r}",
-            fix=f"pick a backend for {device!r} (auto does), or move the model",
-        )
-    inter = shm_inter(env, lk) if name == "shm" else None
-    return BackendChoice(name, f"requested; {st.reason}", st.module, name, st.version, st.distribution, True, inter)
+        raise spec.refusal(st, lk)
+    spec.check_request(env, device)
+    return spec.named_choice(st, env, lk)
 
 
 def _auto(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[int] = None,
           probe_torch: bool = True, smallest_node: Optional[int] = None) -> BackendChoice:
-    """Gather the facts :func:`cpuddp.backends.auto.auto_rule` needs, ask it, and check the answer."""
-    facts = _auto_facts(env, lk, device, node_cpus, probe_torch, smallest_node)
-    d = auto_rule(facts)
-    if d.backend == "gloo":
-        return _auto_gloo(lk, d.reason, probe_torch)
-    if d.backend == "ccl":
-        ccl = _status(BACKENDS["ccl"], lk)
-        return BackendChoice("ccl", f"auto: {d.reason}", ccl.module, "auto", ccl.version, ccl.distribution, True)
-    spec = BACKENDS.get(d.backend)
-    return BackendChoice(d.backend, f"auto: {d.reason}", spec.module if spec else None, "auto", inter=d.inter)
+    """Gather the facts :func:`cpuddp.backends.auto.auto_rule` needs, ask it, and let the backend
+    it picked make the choice."""
+    d = auto_rule(_auto_facts(env, lk, device, node_cpus, probe_torch, smallest_node))
+    return BACKENDS[d.backend].auto_choice(d.reason, d.inter, lk, probe_torch)
+
+
+#: What ``backend=`` may ask for besides a backend's name: the rule's choice.
+_REQUESTS: dict[str, Callable[..., BackendChoice]] = {BackendName.AUTO: _auto}
+
+
+def accepts(requested: Any, live: str) -> bool:
+    """Whether ``backend=requested`` is served by a live group of backend ``live``: a request for
+    the rule's choice takes any; a name only its own."""
+    if not isinstance(requested, str):
+        return False
+    name = BackendName(requested)
+    return name in _REQUESTS or name == BackendName(live)
 
 
 def _auto_facts(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[int], probe_torch: bool,
                 smallest_node: Optional[int] = None) -> AutoFacts:
+    """The facts of the rule, each asked of the backend it is about (unregistered: not available)."""
     if device == "cuda":
-        if not probe_torch:
-            return AutoFacts(env.local_world_size, env.num_nodes, False, "", False, "", device,
-                             False, "not probed without torch")
-        nccl = _status(BACKENDS["nccl"], lk) if "nccl" in BACKENDS else None
+        nccl = _status_of(BackendName.NCCL, lk) if probe_torch else None
         return AutoFacts(env.local_world_size, env.num_nodes, False, "", False, "", device,
-                         bool(nccl and nccl.available), nccl.reason if nccl else "nccl is not registered")
-    ccl = _status(BACKENDS["ccl"], lk) if "ccl" in BACKENDS else None
-    shm = _auto_shm(env, lk, node_cpus, smallest_node)
+                         bool(nccl and nccl.available),
+                         (nccl.reason if nccl else "nccl is not registered") if probe_torch else "not probed without torch")
+    ccl = _status_of(BackendName.CCL, lk)
+    shm = BACKENDS.get(BackendName.SHM)
+    shm_st = shm.auto_status(env, lk, node_cpus, smallest_node) if shm is not None else None
     return AutoFacts(
         env.local_world_size, max(1, env.num_nodes),
-        bool(shm and shm.available), shm.reason if shm else "shm is not registered",
+        bool(shm_st and shm_st.available), shm_st.reason if shm_st else "shm is not registered",
         bool(ccl and ccl.available), ccl.reason if ccl else "ccl is not registered", device)
 
 
-def shm_inter(env: "DistEnv", lk: Optional[Lookups] = None) -> Optional[str]:
-    """The node-to-node leg for a named ``backend="shm"``: the same rule as auto's."""
-    lk = lk or _lookups()
-    ccl = _status(BACKENDS["ccl"], lk) if "ccl" in BACKENDS else None
-    return inter_leg(env.num_nodes, bool(ccl and ccl.available), ccl.reason if ccl else "")[0]
+def _status_of(name: str, lk: Lookups) -> Optional[BackendStatus]:
+    spec = BACKENDS.get(name)
+    return spec.status(lk) if spec is not None else None
 
 
-def _auto_shm(env: "DistEnv", lk: Lookups, node_cpus: Optional[int],
-              smallest_node: Optional[int] = None) -> Optional[BackendStatus]:
-    """The shared-memory backend's verdict for this node (None when it is not registered)."""
-    from cpuddp.backends.shm import check as shm_check
-
-    spec = BACKENDS.get(shm_check.NAME)
-    if spec is None:
-        return None
-    ok, reason = shm_check.eligibility(env.local_world_size, lk.environ, node_cpus=node_cpus)
-    if ok and smallest_node is not None and smallest_node < 2:
-        ok, reason = False, (f"a node of this job runs {smallest_node} rank: auto takes shared memory only where "
-                             "every node runs 2 or more (backend='shm' runs such a layout, over gloo)")
-    return BackendStatus(spec.name, ok, reason, module=spec.module)
+# --------------------------------------------------------------------------- the built-in backends
 
 
-def _auto_gloo(lk: Lookups, why_not: str, probe_torch: bool = True) -> BackendChoice:
-    if not probe_torch and "gloo" in BACKENDS:  # doctor without torch: built into every PyPI torch
-        return BackendChoice("gloo", f"auto: gloo, because {why_not}", None, "auto")
-    gloo = _status(BACKENDS["gloo"], lk) if "gloo" in BACKENDS else None
-    if gloo is None or not gloo.available:
-        raise BackendError(
-            f"backend='auto' found nothing to run: {why_not}; gloo: "
-            f"{gloo.reason if gloo else 'not registered'}",
-            fix="install a torch built with gloo (every PyPI build is), or name a backend",
-        )
-    return BackendChoice("gloo", f"auto: gloo, because {why_not}", None, "auto")
+def _shm_probe(lk: Lookups) -> Any:
+    from cpuddp.backends.shm.check import probe
+
+    return probe(lk)
+
+
+_add(CclBackend(BackendName.CCL, devices=("cpu", "xpu"), distribution="oneccl_bind_pt", probe=ccl_status,
+                description="Intel oneCCL through its PyTorch bindings (oneccl_bind_pt)"))
+_add(GlooBackend(BackendName.GLOO, devices=("cpu", "cuda"),
+                 probe=torch_probe("is_gloo_available", "torch was built without gloo"),
+                 description="torch's built-in CPU backend"))
+_add(MpiBackend(BackendName.MPI, devices=("cpu", "cuda"),
+                probe=torch_probe("is_mpi_available",
+                                  "torch was built without MPI (build torch from source against an MPI)"),
+                description="torch's MPI backend (needs a torch built with MPI and an MPI launcher)"))
+_add(NcclBackend(BackendName.NCCL, devices=("cuda",), description="NVIDIA NCCL, for models on CUDA"))
+register_backend(BackendName.ACCL, module="torch_accl", devices=("cuda",), distribution="torch_accl",
+                 description="Alibaba ACCL plug-in (import torch_accl, backend 'accl')")
+_add(ShmBackend(BackendName.SHM, module="cpuddp.shm", devices=("cpu",), probe=_shm_probe, leave=shm_api.leave_all,
+                abort=shm_api.abort_all,
+                description="cpuddp's shared-memory collectives within a node, gloo or oneCCL between nodes "
+                            "(cpuddp.shm)"))
 
 
 # --------------------------------------------------------------------------- load
@@ -399,37 +317,8 @@ def load_backend(choice: Union[BackendChoice, str]) -> None:
     handed a choice made elsewhere.  Any import failure is a BackendError naming the module.
     """
     if isinstance(choice, str):
-        spec = BACKENDS.get(choice.strip().lower())
+        spec = BACKENDS.get(BackendName(choice))
         if spec is None:
             raise _unknown(choice)
         choice = BackendChoice(spec.name, "by name", spec.module, spec.name)
-    if choice.module is None:
-        return
-    import torch  # noqa: F401  -- first: the bindings link against the loaded libtorch
-    import torch.distributed as dist
-
-    if choice.name == "ccl" and not choice.verified and choice.module not in sys.modules:
-        st = _status(BACKENDS["ccl"], _lookups()) if "ccl" in BACKENDS else None
-        if st is None or not st.available or st.module != choice.module:
-            reason = st.reason if st is not None else "ccl is not registered"
-            raise BackendError(
-                f"refusing to import {choice.module}: {reason}",
-                fix=ccl_fix(torch.__version__),
-            )
-    pkg = f"{choice.distribution} {choice.version}" if choice.distribution and choice.version else choice.module
-    try:
-        importlib.import_module(choice.module)
-    except Exception as exc:
-        raise BackendError(
-            f"importing {choice.module} ({pkg}) for backend {choice.name!r} failed: {type(exc).__name__}: {exc}",
-            fix=(f"reinstall {pkg} for torch {torch.__version__}" if choice.name == "ccl" else f"check the {pkg} install")
-            + ", or pass backend='gloo'",
-        ) from exc
-    registered = [b.lower() for b in getattr(dist.Backend, "backend_list", [])]
-    if registered and choice.name not in registered:
-        raise BackendError(
-            f"importing {choice.module} did not register backend {choice.name!r} with torch.distributed "
-            f"(registered: {', '.join(registered)})",
-            fix=f"check that {choice.module} is the plug-in for {choice.name!r} and built for torch {torch.__version__}",
-        )
-    log.debug("loaded %s for backend %s", choice.module, choice.name)
+    choice.backend.load(choice)

@@ -21,8 +21,9 @@ Configuring (:func:`backend_env`, pure) returns the variables to export before
                                   gloo groups are made beside ccl ones for CPU objects)
 ================================  ==========================================================
 
-The shm group takes its settings as process-group options, not variables
-(:func:`cpuddp.backends.forming.shm_options`).
+Each backend says which of these are its own (:meth:`~cpuddp.backends.types.BackendSpec.settings`:
+oneCCL's for ccl, and for shm the leg's); the shm group takes its own settings as process-group
+options, not variables (:meth:`cpuddp.backends.shm.backend.ShmBackend.group_options`).
 
 Environment variables read: the ones above (to leave the user's alone), ``CCL_ROOT``,
 ``ONEAPI_ROOT``, Intel MPI's ``I_MPI_HYDRA_*`` (to tell its Hydra from MPICH's).  Written:
@@ -49,7 +50,7 @@ from cpuddp.affinity.ccl_workers import (
 from cpuddp.launchers.netif import Route, is_loopback_address
 from cpuddp.launchers.parsers import is_loopback
 
-from .types import BackendChoice
+from .types import BackendChoice, BackendName
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
@@ -81,10 +82,8 @@ def backend_env(
     (:func:`find_ccl_paths`).
     """
     if isinstance(choice, str):
-        choice = BackendChoice(choice.strip().lower(), "named")
-    out: dict[str, str] = {}
-    if choice.uses_ccl:  # the ccl backend, or shm whose node-to-node leg is oneCCL
-        out.update(ccl_env(env, plan, environ, paths=ccl_paths))
+        choice = BackendChoice(BackendName(choice), "named")
+    out = choice.backend.settings(env, choice, plan, environ, paths=ccl_paths)  # shm: its leg's
     out.update(gloo_env(env, environ, route_lookup=route_lookup))
     return out
 

@@ -1,21 +1,45 @@
-"""The backend registry's data and the lookups a check may consult (package metadata, module
-search, the environment, the oneCCL import probe): injectable, so every decision in
-:mod:`cpuddp.backends` and :mod:`cpuddp.backends.ccl` can be tested on plain data.
+"""The backend registry's data, the one interface every backend has, and the lookups a check may
+consult (package metadata, module search, the environment, the oneCCL import probe): injectable,
+so every decision in :mod:`cpuddp.backends` and :mod:`cpuddp.backends.ccl` can be tested on plain
+data.
 
-Nothing here imports torch or a backend's module.
+* :class:`BackendName`: a backend's name, normalised (stripped, lower case), with the built-in
+  names as constants (as torch's ``Backend.GLOO``).
+* :class:`BackendSpec`: one backend, as an object.  The pipeline (resolve, decide, agree, form,
+  load, explain) asks it what is its own -- its status here, the check of a request, the
+  settings to export, the worker cores to keep free, the group's options, loading its module,
+  explaining a failed first collective, forming a node-to-node group -- and never compares
+  its name.  The generic behaviour is here (a plug-in added with ``register_backend`` gets
+  it); a backend with more of its own subclasses it in its own module: torch's
+  (:mod:`cpuddp.backends.torch_backends`), oneCCL (:class:`cpuddp.backends.ccl.CclBackend`),
+  cpuddp's shared memory (:class:`cpuddp.backends.shm.backend.ShmBackend`).
+* :data:`BACKENDS`: name -> object, filled by :mod:`cpuddp.backends.registry`;
+  :func:`backend_for` looks a name up.
+
+Nothing here imports torch or a backend's module (:meth:`BackendSpec.load` imports them when
+called).
 """
 
 from __future__ import annotations
 
+import datetime
+import importlib
 import importlib.util
 import logging
 import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Collection, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Collection, Mapping, Optional, Tuple, Union
 
-__all__ = ["BackendStatus", "BackendChoice", "BackendSpec", "Lookups", "ProbeResult", "ImportProbe"]
+from cpuddp.errors import BackendError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from cpuddp.launchers.env import DistEnv
+
+
+__all__ = ["BackendName", "BackendStatus", "BackendChoice", "BackendSpec", "BACKENDS", "backend_for", "Lookups",
+           "ProbeResult", "ImportProbe"]
 
 log = logging.getLogger("cpuddp.backends")
 
@@ -26,6 +50,22 @@ ImportProbe = Callable[[str, str], Any]
 
 
 # --------------------------------------------------------------------------- data
+
+
+class BackendName(str):
+    """A backend's name as ``init_process_group`` takes it: stripped and lower case, whatever the
+    user wrote (``BackendName(" Gloo ") == "gloo"``).  The built-in names are constants."""
+
+    AUTO = "auto"  # not a backend: the request to choose one (cpuddp.backends.auto)
+    GLOO = "gloo"
+    CCL = "ccl"
+    SHM = "shm"
+    MPI = "mpi"
+    NCCL = "nccl"
+    ACCL = "accl"
+
+    def __new__(cls, value: str) -> "BackendName":
+        return super().__new__(cls, value.strip().lower())
 
 
 @dataclass(frozen=True)
@@ -64,12 +104,18 @@ class BackendChoice:
     #: True when ``inter`` is the user's ``CPUDDP_SHM_INTER`` (the ranks must agree on it: an
     #: error names theirs where they differ), not the rule's.
     inter_set: bool = False
+    #: True when the user named the backend (``backend="shm"``), False when "auto" chose it.
+    named: bool = False
 
     @property
-    def uses_ccl(self) -> bool:
-        """Whether oneCCL carries any of the group's traffic (the backend, or shm's node-to-node
-        leg): its settings are exported and its worker cores kept free."""
-        return self.name == "ccl" or self.inter == "ccl"
+    def backend(self) -> "BackendSpec":
+        """The backend chosen, as its object (:func:`backend_for`)."""
+        return backend_for(self.name)
+
+    @property
+    def leg(self) -> Optional["BackendSpec"]:
+        """shm's node-to-node leg as its backend's object; None without one."""
+        return backend_for(self.inter) if self.inter else None
 
 
 @dataclass(frozen=True)
@@ -115,6 +161,168 @@ class BackendSpec:
     description: str = ""
     leave: Optional[Callable[[], None]] = None
     abort: Optional[Callable[[str], None]] = None
+
+    #: Whether its check imports torch (torch's own backends): ``cpuddp doctor`` without
+    #: ``--torch`` lists it unprobed.
+    built_into_torch: ClassVar[bool] = False
+
+    # ------------------------------------------------------------ choosing
+
+    def status(self, lk: Lookups) -> BackendStatus:
+        """Whether it can run here, and why: its probe, else whether its module can be found.
+        A probe that raises is a verdict too (one broken plug-in must not hide the others)."""
+        try:
+            return self._check(lk)
+        except Exception as exc:
+            return BackendStatus(self.name, False, f"its check raised {type(exc).__name__}: {exc}",
+                                 module=self.module, devices=self.devices, distribution=self.distribution)
+
+    def _check(self, lk: Lookups) -> BackendStatus:
+        version = lk.metadata(self.distribution) if self.distribution else None
+        if self.probe is not None:
+            result = self.probe(lk)
+            if isinstance(result, BackendStatus):
+                return result
+            if isinstance(result, tuple):
+                ok, reason = bool(result[0]), str(result[1])
+            else:
+                ok, reason = bool(result), ("the plug-in's check passed" if result else "the plug-in's check failed")
+            return BackendStatus(self.name, ok, reason, version, self.module, self.devices, self.distribution)
+        if self.module is None:
+            return BackendStatus(self.name, True, "registered without a module or check", version, None, self.devices,
+                                 self.distribution)
+        pkg = (f" ({self.distribution} {version})" if version
+               else (f" ({self.distribution} is not installed)" if self.distribution else ""))
+        found = lk.find_module(self.module)
+        return BackendStatus(self.name, found, f"module {self.module} {'found' if found else 'not found'}{pkg}", version,
+                             self.module, self.devices, self.distribution)
+
+    def auto_status(self, env: "DistEnv", lk: Lookups, node_cpus: Optional[int],
+                    smallest_node: Optional[int]) -> BackendStatus:
+        """Whether ``backend="auto"`` may take it in this job (``node_cpus``: the CPUs this node's
+        ranks share; ``smallest_node``: the fewest ranks a node runs): its status here."""
+        return self.status(lk)
+
+    def refusal(self, st: BackendStatus, lk: Lookups) -> BackendError:
+        """The error for ``backend=<this>`` where it cannot run (``st`` says why)."""
+        pkg = f" (pip distribution {st.distribution})" if st.distribution else ""
+        return BackendError(f"backend={self.name!r} was requested, but it cannot run here: {st.reason}",
+                            fix=f"install it{pkg}, or pass backend='auto' or 'gloo'")
+
+    def check_request(self, env: "DistEnv", device: Optional[str]) -> None:
+        """Refuse a named request this backend cannot serve in this job (the tensors' device)."""
+        if device is not None and device.strip().lower() not in self.devices:
+            raise BackendError(
+                f"backend={self.name!r} serves {', '.join(self.devices)} tensors, not {device!r}",
+                fix=f"pick a backend for {device!r} (auto does), or move the model",
+            )
+
+    def named_choice(self, st: BackendStatus, env: "DistEnv", lk: Lookups) -> BackendChoice:
+        """The choice for ``backend=<this>``, checked (``st``: its status here)."""
+        return BackendChoice(self.name, f"requested; {st.reason}", st.module, self.name, st.version, st.distribution,
+                             True, named=True)
+
+    def auto_choice(self, reason: str, inter: Optional[str], lk: Lookups, probe_torch: bool) -> BackendChoice:
+        """The choice when the rule of ``backend="auto"`` picked this backend, for ``reason``."""
+        return BackendChoice(self.name, f"auto: {reason}", self.module, BackendName.AUTO, inter=inter)
+
+    def with_user_settings(self, choice: BackendChoice, environ: Mapping[str, str]) -> BackendChoice:
+        """``choice`` with what the user's variables change in it (nothing, unless the backend
+        has such variables); read once, before the ranks agree."""
+        return choice
+
+    def agree(self, choice: BackendChoice, env: "DistEnv", store: Any, key: str,
+              td: datetime.timedelta) -> BackendChoice:
+        """What else of ``choice`` the ranks must share, agreed through ``store`` under exchange
+        ``key/...`` once every rank chose this backend (nothing, unless the backend has more)."""
+        return choice
+
+    # ------------------------------------------------------------ planning
+
+    def worker_cores(self, choice: BackendChoice, environ: Mapping[str, str]) -> int:
+        """The cores of each rank its worker threads need kept free of compute."""
+        return 0
+
+    def settings(self, env: "DistEnv", choice: BackendChoice, plan: Any, environ: Mapping[str, str], *,
+                 paths: Any = None) -> dict[str, str]:
+        """Its variables to export before ``init_process_group`` (none the user set); ``plan``:
+        the pinning plan or None; ``paths``: filesystem lookups a backend may take as given."""
+        return {}
+
+    def group_options(self, env: "DistEnv", plan: Any) -> Any:
+        """The group's ``pg_options`` for the agreed ``plan`` (a :class:`cpuddp.backends.decide.BackendPlan`;
+        None: torch's defaults)."""
+        return None
+
+    # ------------------------------------------------------------ running
+
+    def load(self, choice: BackendChoice) -> None:
+        """Import torch, then ``choice.module`` (if any), and check it registered the name.
+        Any import failure is a BackendError naming the module."""
+        if choice.module is None:
+            return
+        import torch  # noqa: F401  -- first: a binding links against the loaded libtorch
+        import torch.distributed as dist
+
+        self._before_import(choice)
+        pkg = f"{choice.distribution} {choice.version}" if choice.distribution and choice.version else choice.module
+        try:
+            importlib.import_module(choice.module)
+        except Exception as exc:
+            raise BackendError(
+                f"importing {choice.module} ({pkg}) for backend {choice.name!r} failed: {type(exc).__name__}: {exc}",
+                fix=self._import_fix(pkg, torch.__version__) + ", or pass backend='gloo'",
+            ) from exc
+        registered = [b.lower() for b in getattr(dist.Backend, "backend_list", [])]
+        if registered and choice.name not in registered:
+            raise BackendError(
+                f"importing {choice.module} did not register backend {choice.name!r} with torch.distributed "
+                f"(registered: {', '.join(registered)})",
+                fix=f"check that {choice.module} is the plug-in for {choice.name!r} and built for torch "
+                    f"{torch.__version__}",
+            )
+        log.debug("loaded %s for backend %s", choice.module, choice.name)
+
+    def _before_import(self, choice: BackendChoice) -> None:
+        """A last check before ``choice.module`` is imported (torch is loaded)."""
+
+    def _import_fix(self, pkg: str, torch_version: str) -> str:
+        return f"check the {pkg} install"
+
+    def explain_failure(self, environ: Mapping[str, str], exc: BaseException) -> BackendError:
+        """The error for a group that formed but whose first collective raised ``exc``."""
+        ifname = environ.get("GLOO_SOCKET_IFNAME")
+        return BackendError(failed_line(self.name, environ, exc),
+                            fix=f"{self.name} over GLOO_SOCKET_IFNAME={ifname or 'unset'}: check that every rank's log "
+                                f"shows the same backend, that the hosts reach each other on that interface, "
+                                f"or pass backend='gloo' to rule {self.name} out")
+
+    def create_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
+        """A process group of this backend over ``store`` (shm's node-to-node leg); only the
+        backends that can be a leg have one."""
+        raise BackendError(f"backend {self.name!r} cannot carry the shm group's node-to-node leg",
+                           fix="use gloo or ccl between nodes (CPUDDP_SHM_INTER)")
+
+
+#: name -> :class:`BackendSpec`, filled by :mod:`cpuddp.backends.registry` (which every import of
+#: :mod:`cpuddp.backends` runs first).  Extend it with ``register_backend``.
+BACKENDS: dict[str, BackendSpec] = {}
+
+
+def backend_for(name: str) -> BackendSpec:
+    """The object of the backend called ``name``: the registered one, else the generic behaviour
+    under that name (a group torch formed with a backend cpuddp does not know)."""
+    key = BackendName(name)
+    return BACKENDS.get(key) or BackendSpec(key)
+
+
+def failed_line(name: str, environ: Mapping[str, str], exc: BaseException) -> str:
+    """The first line of the error for a group whose first all_reduce raised ``exc``."""
+    said = " ".join(str(exc).split())
+    if len(said) > 600:
+        said = said[:600] + " ..."
+    return (f"rank {environ.get('RANK', '?')}: the {name} group formed, but its first all_reduce failed: "
+            f"{type(exc).__name__}: {said}")
 
 
 # --------------------------------------------------------------------------- lookups

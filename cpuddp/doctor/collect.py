@@ -17,9 +17,6 @@ from typing import Any, Callable, Mapping, Optional
 from cpuddp._compat import torch_pairing
 from cpuddp.topology import here
 
-#: torch.distributed's built-in backends: probing them means importing torch (about 2 s).
-_TORCH_BUILTINS = ("gloo", "mpi", "nccl")
-
 
 def torch_matches(versions: Mapping[str, Any]) -> dict[str, Any]:
     """``<key>_matches_torch`` (None when either is missing) and ``<key>_built_for`` for IPEX
@@ -74,8 +71,8 @@ def _backends(env: Any, probe_torch: bool) -> dict[str, Any]:
 
     light = not probe_torch and "torch" not in sys.modules
     items: list[dict[str, Any]] = []
-    for name in list(backends.BACKENDS):
-        if light and name in _TORCH_BUILTINS:
+    for name, spec in list(backends.BACKENDS.items()):
+        if light and spec.built_into_torch:  # probing it means importing torch (about 2 s)
             items.append({"name": name, "available": None, "version": None,
                           "reason": "built into torch when it was compiled with it (not probed: "
                                     "`cpuddp doctor --torch` imports torch and checks)"})
@@ -97,9 +94,10 @@ def _backends(env: Any, probe_torch: bool) -> dict[str, Any]:
 
 
 def _ccl_verdict(backends: Any) -> Optional[dict[str, Any]]:
-    """What the ccl backend's check decided, and on what evidence (metadata, import probe)."""
+    """What the ccl backend's check decided, and on what evidence (metadata, import probe): the one
+    check that names its evidence."""
     items = backends.get("backends", []) if isinstance(backends, dict) else []
-    ccl = next((b for b in items if isinstance(b, dict) and b.get("name") == "ccl"), None)
+    ccl = next((b for b in items if isinstance(b, dict) and b.get("evidence")), None)
     if ccl is None:
         return None
     return {"usable": bool(ccl.get("available")), "evidence": ccl.get("evidence"), "reason": ccl.get("reason")}
@@ -167,16 +165,22 @@ def _cpu(root: str) -> tuple[dict[str, Any], Any]:
     return d, topo
 
 
-def _plans(env: Any, topo: Any, environ: Mapping[str, str], backend: Optional[str]) -> dict[str, Any]:
+def _plans(env: Any, topo: Any, environ: Mapping[str, str], auto: Optional[Mapping[str, Any]]) -> dict[str, Any]:
+    """Each local rank's pinning plan for the backend "auto" picked (``auto``: its plain choice),
+    with the worker cores that backend keeps free."""
     from cpuddp.affinity import pin as affinity
+    from cpuddp.backends.types import BackendChoice
 
     if env is None:
         return {"available": False, "error": "no DistEnv (see the launcher section)"}
+    backend = auto.get("name") if auto else None
+    choice = BackendChoice(backend or "gloo", "auto", inter=auto.get("inter") if auto else None)
+    workers = choice.backend.worker_cores(choice, environ)
     plans = []
     for lr in range(env.local_world_size):
         rank = env.rank - env.local_rank + lr
         e = env.replace(local_rank=lr, rank=rank)
-        plan = affinity.plan_for(e, backend=backend or "gloo", environ=environ, topology=topo)
+        plan = affinity.plan_for(e, workers=workers, environ=environ, topology=topo)
         plans.append({"local_rank": lr, "rank": rank, "plan": _plain(plan)})
     return {"available": True, "backend": backend, "plans": plans}
 

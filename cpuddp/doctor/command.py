@@ -133,7 +133,7 @@ def collect(environ: Optional[Mapping[str, str]] = None, *, root: str = "/", pro
     report["cpu"] = cpu
     report["threads"] = {k: environ.get(k) for k in _THREAD_VARS}
     auto = backends.get("auto") if isinstance(backends, dict) else None
-    chosen = auto.get("name") if isinstance(auto, dict) else None
+    chosen = auto if isinstance(auto, dict) and "name" in auto else None
     report["pinning"] = _section(lambda: _plans(env, topo, environ, chosen))
     if env is None or (env.launcher == "none" and env.world_size == 1) or ranks is not None:
         report["job"] = _section(lambda: _job(topo, environ, ranks, probe_torch))

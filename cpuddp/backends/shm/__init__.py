@@ -14,7 +14,8 @@ torch's, and :mod:`.progress`, the progress thread) and the leg across nodes
 send/recv (:mod:`.p2p`); the collectives torch calls (:mod:`.calls`) and the process group
 (:mod:`.group`, which imports torch and registers ``"shm"``).
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp._units`, :mod:`cpuddp.launchers`, :mod:`cpuddp.topology`,
-:mod:`cpuddp.affinity.pin` (the forming thread on the rank's CPUs).
+:mod:`cpuddp.affinity.pin` (the forming thread on the rank's CPUs), :mod:`cpuddp.backends.types` (the
+backend interface, and the leg's object) and :mod:`cpuddp.backends.auto` (the leg's rule).
 
 Importing this package imports nothing: :mod:`cpuddp.backends` asks :mod:`.check` without
 torch.  Users import the door, :mod:`cpuddp.shm`.

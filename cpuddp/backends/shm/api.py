@@ -19,9 +19,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
-__all__ = ["ShmOptions", "leave_all", "abort_all", "track", "INTER_VAR"]
+__all__ = ["ShmOptions", "leave_all", "abort_all", "track", "INTER_VAR", "LEGS", "user_leg"]
 
 INTER_VAR = "CPUDDP_SHM_INTER"
+#: The backends that can carry the node-to-node leg (each forms a group with ``create_group``).
 LEGS = ("gloo", "ccl")
 
 #: The live groups of this process (each has ``leave()`` and ``abort_peers(why)``).
@@ -53,11 +54,26 @@ class ShmOptions:
     @classmethod
     def from_environ(cls, size: int, environ: Mapping[str, str] = os.environ) -> "ShmOptions":
         """The options of a group made without them (plain ``init_process_group("shm")``)."""
-        inter = (environ.get(INTER_VAR) or "gloo").strip().lower()
+        inter = user_leg(environ) or LEGS[0]
         local = environ.get("LOCAL_WORLD_SIZE", "")
         world = environ.get("WORLD_SIZE", "")
         spans_world = world.strip().isdigit() and int(world) == size
         return cls(inter=inter, local_size=int(local) if local.strip().isdigit() and spans_world else None)
+
+
+def user_leg(environ: Mapping[str, str]) -> Optional[str]:
+    """The node-to-node leg the user set in ``CPUDDP_SHM_INTER`` (None: unset), checked: the one
+    place the variable is parsed."""
+    raw = environ.get(INTER_VAR)
+    if raw is None or not raw.strip():
+        return None
+    leg = raw.strip().lower()
+    if leg not in LEGS:
+        from cpuddp.errors import BackendError
+
+        raise BackendError(f"{INTER_VAR}={raw!r}: the shm group's node-to-node leg is one of {', '.join(LEGS)}",
+                           fix=f"set {INTER_VAR}=gloo or {INTER_VAR}=ccl, or unset it (the rule then picks)")
+    return leg
 
 
 def track(group: Any) -> None:

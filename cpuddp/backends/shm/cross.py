@@ -1,7 +1,8 @@
 """The shm group across nodes: shared memory within each node, one backend between them.
 
-The ranks with the same local rank on every node form a *cross group* (gloo, or oneCCL when
-the group's options say ``inter="ccl"``): cross rank ``j`` is node ``j``.  Each collective
+The ranks with the same local rank on every node form a *cross group*, formed by the backend
+object of the group's node-to-node leg (gloo, or oneCCL when the group's options say
+``inter="ccl"``): cross rank ``j`` is node ``j``.  Each collective
 keeps what it can inside the node (per collective; docs/backends.md has the table):
 
 * ``all_reduce``: reduce-scatter in shared memory, an all_reduce of each rank's part over its
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from cpuddp.errors import BackendError
 
+from ..types import backend_for
 from .local import LocalEngine
 from .node import NodePlan
 from .ops import AVG, reducer, rows_reducer, summed
@@ -40,17 +42,11 @@ __all__ = ["Hierarchy", "cross_group", "SumThenDivide"]
 
 
 def cross_group(store: Any, plan: NodePlan, timeout: datetime.timedelta, inter: str) -> Any:
-    """The group of the ranks with this local rank on every node: gloo, or oneCCL when asked."""
-    node, nodes = plan.node, plan.nodes
-    if inter == "ccl":
-        import oneccl_bindings_for_pytorch  # noqa: F401  (registers "ccl")
-
-        plugin = dist.Backend._plugins.get("CCL")
-        if plugin is None:
-            raise BackendError("the shm group's node-to-node leg is oneCCL, but the oneCCL bindings registered no "
-                               "'ccl' backend", fix="use gloo between nodes, or install working oneCCL bindings")
-        return plugin.creator_fn(store, node, nodes, timeout)
-    return dist.ProcessGroupGloo(store, node, nodes, timeout)
+    """The group of the ranks with this local rank on every node, formed by the leg's backend
+    object (:meth:`~cpuddp.backends.types.BackendSpec.create_group`: gloo's, or oneCCL's, which
+    loads the bindings as ``backend="ccl"`` does -- checked against torch, under either module
+    name)."""
+    return backend_for(inter).create_group(store, plan.node, plan.nodes, timeout)
 
 
 class Hierarchy:
