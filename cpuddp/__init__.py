@@ -48,7 +48,7 @@ _EXPORTS = {
     "prepare": "train.prepare",
     "PrepareInfo": "train.prepare",
     "prepared_info": "train.prepare",
-    "unwrap": "train.sharding.distribute",
+    "unwrap": "train.strategies.base",
     "shard": "train.common.data",
     "ShardedLoader": "train.common.data",
     "autocast_for": "train.loop",
@@ -59,8 +59,8 @@ _EXPORTS = {
     "load_state_dict": "train.loop",
     "clip_grad_norm_": "train.grads",
     "no_sync": "train.grads",
-    "save_checkpoint": "train.checkpoint.resume",
-    "load_checkpoint": "train.checkpoint.resume",
+    "save_checkpoint": "train.checkpoint.save",
+    "load_checkpoint": "train.checkpoint.load",
     "Progress": "train.progress",
     "ProgressSummary": "train.progress",
     # backends
@@ -139,7 +139,8 @@ if TYPE_CHECKING:  # pragma: no cover  # noqa: F401 (names for type checkers)
         save_state_dict,
     )
     from .train.grads import clip_grad_norm_, no_sync
-    from .train.sharding.distribute import unwrap
+    from .train.strategies.base import unwrap
     from .train.prepare import PrepareInfo, prepare, prepared_info
-    from .train.checkpoint.resume import load_checkpoint, save_checkpoint
+    from .train.checkpoint.load import load_checkpoint
+    from .train.checkpoint.save import save_checkpoint
     from .train.progress import Progress, ProgressSummary

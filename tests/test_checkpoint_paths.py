@@ -36,7 +36,8 @@ import torch
 from torch import nn
 
 from cpuddp.errors import CheckpointError
-from cpuddp.train.checkpoint.resume import list_checkpoints, load_checkpoint, save_checkpoint
+from cpuddp.train.checkpoint.load import list_checkpoints, load_checkpoint
+from cpuddp.train.checkpoint.save import save_checkpoint
 from cpuddp.train.loop import load_state_dict, save_state_dict
 
 LINK_REFUSED = (r"is a symbolic link \(owned by cpuddp-intruder, to .*which its group can write: sticky, but the "

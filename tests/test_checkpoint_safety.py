@@ -22,7 +22,8 @@ from cpuddp.train.checkpoint import atomic as ckpt
 from cpuddp.train.checkpoint import paths
 from cpuddp.train.checkpoint.ckpt_dirs import finish, make_temp_dir, remove_dead_dirs
 from cpuddp.train.loop import load_state_dict, save_state_dict
-from cpuddp.train.checkpoint.resume import list_checkpoints, load_checkpoint, save_checkpoint
+from cpuddp.train.checkpoint.load import list_checkpoints, load_checkpoint
+from cpuddp.train.checkpoint.save import save_checkpoint
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="making a file another user's needs root (chown)")

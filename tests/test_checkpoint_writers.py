@@ -25,7 +25,8 @@ from torch import nn
 
 from cpuddp.topology.here import hostname
 from cpuddp.train.checkpoint.ckpt_lock import hold_directory, release_directory
-from cpuddp.train.checkpoint.resume import list_checkpoints, load_checkpoint, save_checkpoint
+from cpuddp.train.checkpoint.load import list_checkpoints, load_checkpoint
+from cpuddp.train.checkpoint.save import save_checkpoint
 
 # --------------------------------------------------------------------------- two jobs, one directory
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from cpuddp.train.precision import ipex as _ipex
 from cpuddp.errors import PrepareError
-from cpuddp.train.sharding.distribute import unwrap
+from cpuddp.train.strategies.base import unwrap
 from cpuddp.train.prepare import prepare, prepared_info
 from cpuddp.topology import cpu_features, read_topology
 

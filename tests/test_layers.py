@@ -38,7 +38,7 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
 
 #: train's subpackages, bottom first: each imports only those below it; the modules at train's top
 #: (prepare, loop, grads, progress) import any.
-TRAIN_LAYERS = ("common", "precision", "sharding", "checkpoint")
+TRAIN_LAYERS = ("common", "precision", "sharding", "strategies", "checkpoint")
 
 
 def _module_files() -> dict[str, Path]:
@@ -269,7 +269,7 @@ OWNERS = {
     "STORE_FIX": "cpuddp.launchers.store_values",
     "agree_backend": "cpuddp.backends.agreement",
     "BenchConfig": "cpuddp.bench.config", "RunConfig": "cpuddp.run.command",
-    "DoctorConfig": "cpuddp.doctor.command", "PrepareOptions": "cpuddp.train.sharding.options",
+    "DoctorConfig": "cpuddp.doctor.command", "PrepareOptions": "cpuddp.train.strategies.options",
 }
 
 #: The command-line edges: only they parse arguments; below them a typed config travels.

@@ -25,7 +25,7 @@ from cpuddp.train.loop import (
     save_state_dict,
     shard,
 )
-from cpuddp.train.sharding.distribute import unwrap
+from cpuddp.train.strategies.base import unwrap
 from cpuddp.train.prepare import prepare, prepared_info
 
 from example_util import EXAMPLES, example_env, fake_missing_numpy, paraphrase_data

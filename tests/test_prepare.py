@@ -17,10 +17,10 @@ from cpuddp.train.precision import optim as prepare_optim
 from cpuddp.train.precision import bf16 as prepare_precision
 from cpuddp.errors import PrepareError
 from cpuddp.train.common.comm import bf16_allreduce_hook
-from cpuddp.train.sharding.distribute import ddp_kwargs
-from cpuddp.train.sharding.options import PrepareOptions
+from cpuddp.train.strategies.ddp import ddp_kwargs
+from cpuddp.train.strategies.options import PrepareOptions
 from cpuddp.train.precision.bf16 import decide_precision
-from cpuddp.train.sharding.distribute import unwrap
+from cpuddp.train.strategies.base import unwrap
 from cpuddp.train.prepare import prepare, prepared_info
 
 # the module, not the function of the same name that ``cpuddp.prepare`` is

@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import cpuddp
 from cpuddp.errors import CheckpointError
 from cpuddp.train.checkpoint.ckpt_lock import release_directory
-from cpuddp.train.checkpoint.resume import list_checkpoints, load_checkpoint, save_checkpoint
+from cpuddp.train.checkpoint.load import list_checkpoints, load_checkpoint
+from cpuddp.train.checkpoint.save import save_checkpoint
 
 N, BATCH, SAVE_AT, TOTAL = 64, 4, 11, 20  # 2 ranks: 8 batches per epoch; saved in epoch 1 after 3 batches
 

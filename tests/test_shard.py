@@ -12,7 +12,8 @@ from torch import nn
 
 import cpuddp
 from cpuddp.errors import PrepareError
-from cpuddp.train.sharding.options import PrepareOptions
+from cpuddp.train.strategies.options import PrepareOptions
+from cpuddp.train.strategies.zero import ZeroStrategy
 from cpuddp.train.sharding.shard import (
     LARGE,
     check_shardable,
@@ -187,18 +188,18 @@ def test_an_optimizer_over_foreign_tensors_is_refused():
 def test_shard_optimizer_needs_an_elementwise_optimizer_holding_every_parameter():
     model = _mlp()
     with pytest.raises(PrepareError, match="none was given"):
-        check_shardable(model, None, "optimizer")
+        ZeroStrategy().check_objects(model, None)
     with pytest.raises(PrepareError, match="element-wise.*got LBFGS.*\nFix: use shard=\"full\""):
-        check_shardable(model, torch.optim.LBFGS(model.parameters()), "optimizer")
+        ZeroStrategy().check_objects(model, torch.optim.LBFGS(model.parameters()))
 
     class MyAdam(torch.optim.Adam):
         pass
 
     with pytest.raises(PrepareError, match="got MyAdam"):
-        check_shardable(model, MyAdam(model.parameters()), "optimizer")
+        ZeroStrategy().check_objects(model, MyAdam(model.parameters()))
     with pytest.raises(PrepareError, match=r"\['4.weight', '4.bias'\] are not in the optimizer"):
-        check_shardable(model, torch.optim.AdamW(list(model.parameters())[:4]), "optimizer")
-    check_shardable(model, torch.optim.AdamW(model.parameters()), "optimizer")
+        ZeroStrategy().check_objects(model, torch.optim.AdamW(list(model.parameters())[:4]))
+    ZeroStrategy().check_objects(model, torch.optim.AdamW(model.parameters()))
     check_shardable(model, torch.optim.LBFGS(model.parameters()), "full")  # FSDP2 takes any optimizer
 
 

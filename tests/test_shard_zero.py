@@ -269,11 +269,11 @@ def test_a_resumed_run_continues_bit_identically(run_distributed, tmp_path, shar
 
 
 def test_an_optimizer_fused_by_the_user_is_kept_with_a_warning(monkeypatch):
-    from cpuddp.train.sharding.shard import check_shardable
+    from cpuddp.train.strategies.zero import ZeroStrategy
 
     model = nn.Linear(4, 2)
     with pytest.warns(RuntimeWarning, match="leave fused unset"):
-        check_shardable(model, torch.optim.AdamW(model.parameters(), fused=True), "optimizer")
+        ZeroStrategy().check_objects(model, torch.optim.AdamW(model.parameters(), fused=True))
     # through prepare (a world of 2 without a group: the DDP wrap refuses after the checks), the
     # warning names the user's line
     import importlib

@@ -7,8 +7,10 @@ Owns: :func:`cpuddp.prepare` as a list of named steps (:mod:`.prepare`), the loo
 subpackages, bottom first: what the rest stands on
 (:mod:`.common`: rank 0's I/O, object collectives, each rank's places, the data sharding, the
 gradient hooks), the arithmetic (:mod:`.precision`: bf16, the trial, IPEX, the fused optimizer),
-the spreading over the ranks (:mod:`.sharding`: prepare's options, DDP, FSDP2, ``shard="optimizer"``)
-and the training checkpoint (:mod:`.checkpoint`).  A subpackage imports only those below it;
+the sharding machinery (:mod:`.sharding`: FSDP2, ``shard="optimizer"``'s ZeRO), one strategy per
+``shard=`` mode with prepare's options (:mod:`.strategies`: DDP, ZeRO, FSDP2 -- the wrap,
+``no_sync``, clipping, the state a checkpoint takes) and the training checkpoint
+(:mod:`.checkpoint`: ``save``, ``load``).  A subpackage imports only those below it;
 the modules at the top import any.
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp.launchers.report`, :mod:`cpuddp._compat`, :mod:`cpuddp._units`,
 :mod:`cpuddp._package`, :mod:`cpuddp.topology`, :mod:`cpuddp.affinity`, :mod:`cpuddp.ranks`.

@@ -14,7 +14,7 @@ process), so the same script runs as ``python train.py``, under ``torchrun`` and
 
 ``save_state_dict``/``load_state_dict`` keep the model's weights only; a run that should
 resume where it stopped saves everything with :func:`cpuddp.save_checkpoint`
-(:mod:`.checkpoint.resume`).
+(:mod:`.checkpoint.save`, :mod:`.checkpoint.load`).
 """
 
 from __future__ import annotations
@@ -33,12 +33,13 @@ from cpuddp.ranks import group_rank_world as _rank_world
 
 from .checkpoint.atomic import write_atomically
 from .checkpoint.paths import open_own_file, state_nbytes
-from .checkpoint.resume_io import load_tensors
+from .checkpoint.state_io import load_tensors
 from .common.data import ShardedLoader, shard
 from .common.rank0 import global_rank0, on_rank0
 from .precision import bf16 as precision
 from .prepare import prepared_info
-from .sharding.distribute import is_sharded, unwrap
+from .strategies.base import Strategy, unwrap
+from .strategies.modes import strategy_of
 
 __all__ = [
     "ShardedLoader",
@@ -206,7 +207,7 @@ def save_state_dict(model: nn.Module, path: Union[str, os.PathLike], *, group: A
     """
     path = check_model_and_path("save_state_dict", model, path)
     core = unwrap(model)
-    whole = _whole_state(core) if is_sharded(core) else None  # every rank: the gather is collective
+    whole = strategy_of(model).whole_model_state(core)  # every rank: a sharded model's gather is collective
 
     def write() -> None:
         state = whole if whole is not None else core.state_dict()
@@ -219,13 +220,6 @@ def save_state_dict(model: nn.Module, path: Union[str, os.PathLike], *, group: A
     on_rank0(write, f"saving {path!r}",
              f"make {path!r} writable on rank 0's host (free space, permissions, every parent a directory); "
              "every rank stopped", group)
-
-
-def _whole_state(core: nn.Module) -> Any:
-    """A sharded model's state dict as whole, plain CPU tensors on rank 0 (empty elsewhere)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(core, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def read_state(path: str, check_permissions: bool = True) -> Any:
@@ -250,8 +244,9 @@ def load_state_dict(
     rank, world = _rank_world(group)
     if world == 1:
         return core.load_state_dict(read_state(path, check_permissions), strict=strict)
-    if is_sharded(core):
-        return _load_sharded(core, path, strict, group, check_permissions)
+    strategy = strategy_of(model)
+    if strategy.shards_parameters:
+        return _load_sharded(strategy, core, path, strict, group, check_permissions)
 
     def read() -> tuple[list[str], list[str]]:
         result = core.load_state_dict(read_state(path, check_permissions), strict=strict)
@@ -280,13 +275,12 @@ def load_state_dict(
     return _IncompatibleKeys(missing, unexpected)
 
 
-def _load_sharded(core: nn.Module, path: str, strict: bool, group: Any, check_permissions: bool) -> Any:
+def _load_sharded(strategy: Strategy, core: nn.Module, path: str, strict: bool, group: Any,
+                  check_permissions: bool) -> Any:
     """A plain state dict read on rank 0 into a ``shard="full"`` model: rank 0's whole tensors
-    broadcast, each rank keeping its shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
+    broadcast, each rank keeping its shards (the strategy's
+    :meth:`~cpuddp.train.strategies.base.Strategy.load_whole_model_state`)."""
     box: dict = {}
     on_rank0(lambda: box.update(read_state(path, check_permissions)), f"loading {path!r}",
              "fix the checkpoint on rank 0; every rank stopped", group)
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
-    return set_model_state_dict(core, box, options=options)
+    return strategy.load_whole_model_state(core, box, strict)

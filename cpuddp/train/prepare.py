@@ -40,6 +40,7 @@ What it does, in order:
    ``shard="optimizer"`` keeps the DDP wrap with a reduce-scatter hook and shards the
    optimizer (:mod:`cpuddp.train.sharding.zero`); ``shard="full"`` shards the model with FSDP2 instead
    (:mod:`cpuddp.train.sharding.shard`: blocks, HSDP mesh, bf16 policy, the optimizer rebound).
+   Each mode is a strategy (:mod:`cpuddp.train.strategies`), chosen here once from ``shard=``.
 4. ``compile=True`` (or a dict of ``torch.compile`` keyword arguments) compiles the result.
 5. With bf16 active, the returned module's forward runs under
    ``torch.autocast("cpu", dtype=torch.bfloat16)`` (a forward pre-hook and an
@@ -49,15 +50,16 @@ What it does, in order:
 Calling prepare again on a prepared model (or on the module inside it) with the same
 arguments returns the prepared model unchanged; with different arguments it raises
 :class:`~cpuddp.errors.PrepareError`.  It never wraps twice.  :func:`prepared_info` tells
-what was decided and why; :func:`~cpuddp.train.sharding.distribute.unwrap` returns the user's module.
+what was decided and why; :func:`~cpuddp.train.strategies.base.unwrap` returns the user's module.
 
 :func:`prepare` reads its keyword arguments once, into a frozen
-:class:`~cpuddp.train.sharding.options.PrepareOptions` (the one place they are checked), and hands that
+:class:`~cpuddp.train.strategies.options.PrepareOptions` (the one place they are checked), and hands that
 down whole.  The steps are small functions in this module, called in order by :func:`prepare` (each
 testable alone); the parts with their own subject live beside it: :mod:`cpuddp.train.precision.bf16`
 (bf16 probe, precision decision, autocast hooks), :mod:`cpuddp.train.precision.optim` (fused-Adam
 decision, ``ipex.optimize``), :mod:`cpuddp.train.common.comm` (``comm_hook``, the bf16 hook) and
-:mod:`cpuddp.train.sharding.distribute` (the DDP wrap or FSDP2, the gradient hook, ``torch.compile``).
+:mod:`cpuddp.train.strategies` (the ``shard=`` mode's strategy: its checks, the DDP wrap or FSDP2,
+the gradient hook; ``no_sync``, clipping and the checkpoints ask the model's strategy later).
 """
 
 from __future__ import annotations
@@ -80,10 +82,9 @@ from .common.comm import bf16_allreduce_hook, bf16_allreduce_supported
 from .precision.bf16 import cpu_bf16_support, decide_precision
 from .precision.optim import fuse_optimizer, ipex_optimize
 from .precision.precision_trial import add_precision_hooks
-from .sharding.distribute import compile_model, distribute, unwrap
-from .sharding.options import Precision, PrepareOptions, Shard, ShardScope
-from .sharding.shard import check_shardable
-from .sharding.zero import UNFUSED_WHY, zero_state
+from .strategies.base import Strategy, unwrap
+from .strategies.modes import strategy_for, strategy_of
+from .strategies.options import Precision, PrepareOptions, Shard, ShardScope
 
 __all__ = [
     "prepare",
@@ -168,11 +169,7 @@ def prepared_info(model: nn.Module) -> Optional[PrepareInfo]:
     rec = _record(model)
     if rec is None:
         return None
-    zero = zero_state(unwrap(model))
-    if zero is None:
-        return rec.info
-    waiting = (f"shard='optimizer': not sharded yet after {zero.steps} step(s): {zero.waiting}",) if zero.waiting else ()
-    return dataclasses.replace(rec.info, sharded_since_step=zero.sharded_at, notes=rec.info.notes + waiting)
+    return strategy_of(model).live_info(rec.info, unwrap(model))  # shard="optimizer": sharded since when
 
 
 # --------------------------------------------------------------------------- the steps
@@ -224,8 +221,8 @@ def _world_size(group: Any) -> int:
     return 1
 
 
-def _choose_path(ipex: Optional[bool], notes: list[str], shard: Optional[Shard] = None) -> Optional[Any]:
-    """The IPEX probe when the IPEX path is taken, else None (the stock path; always with ``shard``)."""
+def _choose_path(ipex: Optional[bool], notes: list[str], strategy: Optional[Strategy] = None) -> Optional[Any]:
+    """The IPEX probe when the IPEX path is taken, else None (the stock path; always when ``strategy`` shards)."""
     if ipex is False:
         return None
     from .precision import ipex as _ipex
@@ -238,23 +235,19 @@ def _choose_path(ipex: Optional[bool], notes: list[str], shard: Optional[Shard] 
         )
     if not probe.usable and probe.ipex_version is not None:
         notes.append(f"IPEX not used: {probe.reason}")
-    if probe.usable and shard is not None:
-        notes.append(f"IPEX not used: shard={shard!r} steps torch's own optimizer")
+    if probe.usable and strategy is not None and strategy.shards:
+        notes.append(f"IPEX not used: shard={strategy.name!r} steps torch's own optimizer")
         return None
     return probe if probe.usable else None
 
 
-def _shard(shard: Optional[Shard], world: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
-           notes: list[str]) -> Optional[Shard]:
-    """The shard mode in effect, the model and optimizer checked for it; None at world size 1 (one log line)."""
-    if shard is None:
-        return None
-    if world == 1:
-        _log.info("shard=%r at world size 1: nothing to shard; the model is prepared unsharded", shard)
-        notes.append(f"shard={shard!r} not applied: world size 1")
-        return None
-    check_shardable(model, optimizer, shard)
-    return shard
+def _strategy(shard: Optional[Shard], world: int, model: nn.Module, optimizer: Optional[torch.optim.Optimizer],
+              notes: list[str]) -> Strategy:
+    """The strategy in effect (``shard=``'s; DDP's at world size 1, with one log line), the model
+    and optimizer checked for it."""
+    strategy = strategy_for(shard).in_world(world, notes)
+    strategy.check_objects(model, optimizer)
+    return strategy
 
 
 def _choose_precision(mixed_precision: Optional[str], strict: bool) -> tuple[Optional[torch.dtype], str]:
@@ -306,14 +299,14 @@ def _optimize_with_ipex(probe: Any, model: nn.Module, optimizer: Optional[torch.
     return model
 
 
-def _fuse_step(optimizer: Optional[torch.optim.Optimizer], fused_optimizer: bool, shard: Optional[Shard],
+def _fuse_step(optimizer: Optional[torch.optim.Optimizer], fused_optimizer: bool, strategy: Strategy,
                notes: list[str]) -> bool:
-    """The stock path: the fused-Adam switch, when there is an optimizer and it is wanted (not with
-    shard="optimizer": :data:`cpuddp.train.sharding.zero.UNFUSED_WHY`)."""
+    """The stock path: the fused-Adam switch, when there is an optimizer and it is wanted (not when
+    the strategy says why not: shard="optimizer", :data:`cpuddp.train.sharding.zero.UNFUSED_WHY`)."""
     if optimizer is None or not fused_optimizer:
         return False
-    if shard == "optimizer":
-        notes.append(f"optimizer: left unfused with shard='optimizer': {UNFUSED_WHY}")
+    if strategy.unfused_why is not None:
+        notes.append(f"optimizer: left unfused with shard={strategy.name!r}: {strategy.unfused_why}")
         return False
     fused, why = fuse_optimizer(optimizer)
     notes.append(f"optimizer: {why}")
@@ -322,11 +315,11 @@ def _fuse_step(optimizer: Optional[torch.optim.Optimizer], fused_optimizer: bool
 
 
 def _optimize(probe: Any, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], dtype: Optional[torch.dtype],
-              options: PrepareOptions, all_reduces: bool, shard: Optional[Shard],
+              options: PrepareOptions, all_reduces: bool, strategy: Strategy,
               notes: list[str]) -> tuple[nn.Module, bool]:
     """The IPEX path when ``probe`` says so, else the stock one: ``(model, fused optimizer?)``."""
     if probe is None:
-        return model, _fuse_step(optimizer, options.fused_optimizer, shard, notes)
+        return model, _fuse_step(optimizer, options.fused_optimizer, strategy, notes)
     ipex_dtype = dtype if options.mixed_precision == "bf16" else None  # "auto" measures fp32 too: fp32 weights
     model = _optimize_with_ipex(probe, model, optimizer, ipex_dtype, all_reduces, options.process_group, notes)
     return model, False
@@ -345,9 +338,11 @@ def _precision_hooks(outer: nn.Module, core: nn.Module, dtype: Optional[torch.dt
     return precision, why or reason
 
 
-def _remember(info: PrepareInfo, core: nn.Module, outer: nn.Module,
+def _remember(info: PrepareInfo, strategy: Strategy, core: nn.Module, outer: nn.Module,
               optimizer: Optional[torch.optim.Optimizer]) -> None:
-    """Put the record on the user's module and on the outermost wrapper (for idempotency)."""
+    """Put the record on the user's module and on the outermost wrapper (for idempotency), and the
+    strategy on the user's module (for everything that gets the model later)."""
+    strategy.attach(core)
     record = _Record(info, outer, optimizer)
     for m in {id(core): core, id(outer): outer}.values():
         m.__dict__[_RECORD_ATTR] = record
@@ -359,6 +354,15 @@ def _decided(core: nn.Module, bf16: bool, reason: str) -> None:
     rec = _record(core)
     if rec is not None:
         rec.info = dataclasses.replace(rec.info, mixed_precision="bf16" if bf16 else None, precision_reason=reason)
+
+
+def compile_model(module: nn.Module, compile: Union[bool, Mapping[str, Any]]) -> tuple[nn.Module, bool]:
+    """``module`` through ``torch.compile`` (``compile`` a dict: its keyword arguments) when
+    ``compile`` is set; whether it was."""
+    if not compile:
+        return module, False
+    ckw = dict(compile) if isinstance(compile, Mapping) else {}
+    return torch.compile(module, **ckw), True  # type: ignore[return-value]
 
 
 def _check_module(model: Any) -> None:
@@ -378,23 +382,23 @@ def _prepared_again(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]
     return None
 
 
-def _info(options: PrepareOptions, probe: Any, world: int, shard: Optional[Shard], ddp: bool, *,
+def _info(options: PrepareOptions, probe: Any, world: int, strategy: Strategy, ddp: bool, *,
           precision: Optional[str], precision_reason: str, fused: bool, hook_name: Optional[str], compiled: bool,
           notes: list[str]) -> PrepareInfo:
-    """What prepare decided, for :func:`prepared_info` (``shard``: the mode in effect)."""
+    """What prepare decided, for :func:`prepared_info` (``strategy``: the mode in effect)."""
     return PrepareInfo(
         path="ipex" if probe is not None else "stock",
         mixed_precision=precision,
         requested_precision=options.mixed_precision,
         precision_reason=precision_reason,
         fused_optimizer=fused,
-        ddp=ddp and shard != "full",
+        ddp=ddp and strategy.wraps_in_ddp,
         world_size=world,
         comm_hook=hook_name,
         compiled=compiled,
         ipex_version=probe.ipex_version if probe is not None else None,
-        shard=shard,
-        sharded_since_step=1 if shard == "full" else None,  # shard="optimizer": the live value, prepared_info
+        shard=strategy.name,
+        sharded_since_step=strategy.sharded_from_step,  # shard="optimizer": the live value, prepared_info
         notes=tuple(notes),
         options=options,
     )
@@ -435,7 +439,7 @@ def prepare(
     never uses it.  ``ddp``: None wraps when the world size is above 1 and a parameter
     requires grad.  ``shard``: None (DDP), "optimizer" (gradients and optimizer state
     sharded) or "full" (FSDP2; ``shard_blocks`` names the blocks, ``shard_scope`` "node"
-    or "world"): :mod:`cpuddp.train.sharding.shard`.  See the module docstring for the rest.
+    or "world"): each mode a strategy (:mod:`cpuddp.train.strategies`).  See the module docstring for the rest.
     """
     _check_module(model)
     options = PrepareOptions(  # the one place the arguments are read and checked; passed down whole
@@ -449,17 +453,17 @@ def prepare(
 
     notes: list[str] = []
     world = _world_size(options.process_group)
-    shard = _shard(options.shard, world, model, optimizer, notes)  # the mode in effect: None at world size 1
-    probe = _choose_path(options.ipex, notes, shard)
+    strategy = _strategy(options.shard, world, model, optimizer, notes)  # the mode in effect: DDP's at world size 1
+    probe = _choose_path(options.ipex, notes, strategy)
     dtype, precision_reason = _choose_precision(options.mixed_precision, options.strict)  # may warn: called from here
     do_ddp = decide_ddp(options.ddp, world_size=world, wants_grad=any(p.requires_grad for p in model.parameters()))
-    core, fused = _optimize(probe, model, optimizer, dtype, options, do_ddp and world > 1, shard, notes)
-    bf16_params = shard == "full" and dtype is not None and options.mixed_precision == "bf16"
-    outer, hook_name = distribute(core, optimizer, shard, do_ddp, bf16_params, options, notes)
+    core, fused = _optimize(probe, model, optimizer, dtype, options, do_ddp and world > 1, strategy, notes)
+    bf16_params = strategy.bf16_parameters(dtype, options)
+    outer, hook_name = strategy.wrap(core, optimizer, do_ddp, bf16_params, options, notes)
     outer, compiled = compile_model(outer, options.compile)
     measure = (probe is None or options.mixed_precision == "auto") and not bf16_params
     precision, precision_reason = _precision_hooks(outer, core, dtype, precision_reason, measure, options)
-    info = _info(options, probe, world, shard, do_ddp, precision=precision, precision_reason=precision_reason,
+    info = _info(options, probe, world, strategy, do_ddp, precision=precision, precision_reason=precision_reason,
                  fused=fused, hook_name=hook_name, compiled=compiled, notes=notes)
-    _remember(info, core, outer, optimizer)
+    _remember(info, strategy, core, outer, optimizer)
     return outer

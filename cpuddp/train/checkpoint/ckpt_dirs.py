@@ -14,7 +14,7 @@ between the two renames leaves the step only in the ``.old`` directory: the next
 (:func:`remove_dead_dirs`) renames a complete ``.old`` directory whose name is free back into
 place, and removes one whose replacement landed.  So a crash at any point leaves the step
 loadable, the old checkpoint or the new one.  Every rank must see a directory checkpoint's
-directory: :func:`cpuddp.train.checkpoint.resume_io.save_sharded` checks that first.
+directory: :func:`cpuddp.train.checkpoint.state_io.save_sharded` checks that first.
 """
 
 from __future__ import annotations

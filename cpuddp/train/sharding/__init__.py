@@ -1,11 +1,9 @@
-"""train.sharding: how the model is spread over the ranks -- DDP, ``shard="optimizer"``, ``shard="full"``.
+"""train.sharding: the machinery that spreads a model over the ranks -- ``shard="optimizer"`` and ``shard="full"``.
 
-Owns: prepare's arguments, typed and checked once (:mod:`.options`: ``PrepareOptions``), the wrap
-prepare ends with and its undoing (:mod:`.distribute`: DDP and its gradient hook, FSDP2,
-``torch.compile``, ``unwrap``), ``shard="full"`` on FSDP2 and the one check of what is sharded
-(:mod:`.shard`), ``shard="optimizer"``: the hooks and the step (:mod:`.zero`), the shard plan
-(:mod:`.zero_plan`), the whole state dicts (:mod:`.zero_dicts`), what the ranks agree on
-(:mod:`.zero_sync`).
-May import: :mod:`cpuddp.errors`, :mod:`cpuddp.ranks`, :mod:`cpuddp.train.common`,
-:mod:`cpuddp.train.precision`.
+Owns: ``shard="full"`` on FSDP2 -- blocks, mesh, the checks of the model and optimizer, the
+optimizer rebound (:mod:`.shard`) -- and ``shard="optimizer"``: the hooks and the step
+(:mod:`.zero`), the shard plan (:mod:`.zero_plan`), the gradient norm (:mod:`.zero_norm`), the
+whole state dicts (:mod:`.zero_dicts`), what the ranks agree on (:mod:`.zero_sync`).  Which mode a
+model runs, the DDP wrap and prepare's options are :mod:`cpuddp.train.strategies`' (above).
+May import: :mod:`cpuddp.errors`, :mod:`cpuddp.ranks`.
 """

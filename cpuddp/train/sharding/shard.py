@@ -9,8 +9,9 @@
   Across nodes it is HSDP: a 2-D ``DeviceMesh`` (replicate across nodes, shard within a node).
 
 What is decided here, each a pure function tested alone: whether the model and the optimizer
-can be sharded as they are (:func:`check_shardable`; the request itself is checked when
-prepare's options are built: :mod:`cpuddp.train.sharding.options`), which modules are blocks (:func:`find_blocks`; default: the
+can be sharded as they are (:func:`check_shardable`, and for ``shard="optimizer"``
+:func:`check_elementwise`; the request itself is checked when
+prepare's options are built: :mod:`cpuddp.train.strategies.options`), which modules are blocks (:func:`find_blocks`; default: the
 repeated layers of a ``ModuleList`` -- transformer blocks -- and ``nn.TransformerEncoderLayer``/
 ``DecoderLayer``, then any remaining ``Linear``/``Embedding`` of at least :data:`LARGE` parameters;
 ``shard_blocks=`` names them instead), and the mesh (:func:`decide_mesh`).  What is done:
@@ -29,7 +30,6 @@ from torch import nn
 from cpuddp.errors import PrepareError, warn
 from cpuddp.ranks import log0
 
-from .options import Shard
 from .zero import ELEMENTWISE, UNFUSED_WHY
 
 __all__ = [
@@ -40,7 +40,7 @@ __all__ = [
     "gather_seats",
     "shared_across_blocks",
     "apply_full",
-    "is_fsdp",
+    "check_elementwise",
     "running_allocator",
 ]
 
@@ -156,20 +156,18 @@ def _ipex_touched(optimizer: torch.optim.Optimizer) -> bool:
     return hasattr(optimizer, "params_attr") or hasattr(optimizer, "_original_step")
 
 
-def check_shardable(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], shard: Shard) -> None:
-    """Raise :class:`PrepareError` when ``model``/``optimizer`` cannot be sharded as they are (with
-    ``shard="optimizer"``: unless ``optimizer`` can be sharded element-wise over ``model``)."""
+def check_shardable(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], shard: str) -> None:
+    """Raise :class:`PrepareError` when ``model``/``optimizer`` cannot be sharded as they are
+    (``shard``: the mode, named in the messages; ``shard="optimizer"`` also needs :func:`check_elementwise`)."""
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.device.type != "cpu":
             raise PrepareError(f"{name!r} is on {t.device}; shard={shard!r} shards CPU tensors.",
                                fix="call model.to('cpu') before prepare()")
     if optimizer is not None:
         _check_optimizer_state(model, optimizer, shard)
-    if shard == "optimizer":
-        _check_elementwise(model, optimizer)
 
 
-def _check_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, shard: Shard) -> None:
+def _check_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, shard: str) -> None:
     """An optimizer prepare can rebind: not IPEX's, no state yet, over the model's parameters only."""
     if _ipex_touched(optimizer):
         raise PrepareError(f"the optimizer was patched by ipex.optimize (IPEX's fused step over its own "
@@ -192,7 +190,7 @@ def _check_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, s
                            fix="build the optimizer from model.parameters() (or named subsets of them)")
 
 
-def _check_elementwise(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
+def check_elementwise(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> None:
     """shard="optimizer": an element-wise torch.optim optimizer holding every trainable parameter
     (:mod:`cpuddp.train.sharding.zero`); a fused one is kept, with a warning at the user's prepare() call."""
     if optimizer is None:
@@ -234,15 +232,6 @@ GLIBC_NOTE = ("FSDP2 frees and allocates every block's buffers each step, and gl
               "fragmented: peak RSS near twice the live memory here (or, with a fixed MALLOC_MMAP_THRESHOLD_, "
               "half the speed); tcmalloc does neither: preload it (cpuddp run does when libtcmalloc-minimal4 "
               "is installed)")
-
-
-def is_fsdp(model: nn.Module) -> bool:
-    """Is ``model`` a module ``fully_shard`` was applied to?"""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch < 2.6
-        return False
-    return isinstance(model, FSDPModule)
 
 
 def gather_seats(node_of: Callable[[], tuple[int, int, int]], group: Any) -> list[tuple[int, int, int]]:

@@ -2,7 +2,8 @@
 through ``torch.distributed.checkpoint.state_dict`` (parameter names as keys, DTensor shards
 for a ``fully_shard`` model), a sharded checkpoint through ``torch.distributed.checkpoint``
 (DCP) into a directory every rank writes, and the rest (scheduler, scaler, data position,
-random state) through their own ``state_dict``.  :mod:`cpuddp.train.checkpoint.resume` is the door.
+random state) through their own ``state_dict``.  :mod:`cpuddp.train.checkpoint.save` and
+:mod:`cpuddp.train.checkpoint.load` are the doors.
 """
 
 from __future__ import annotations
