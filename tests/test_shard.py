@@ -262,7 +262,8 @@ def _train(shard, steps=STEPS, groups=False, clip=None, accumulate=1, bf16=False
         losses.append(cpuddp.reduce_mean(loss.detach()).item())
     weights = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                for n, p in model.named_parameters()}
-    return losses, weights, cpuddp.prepared_info(m).shard
+    info = cpuddp.prepared_info(m)
+    return losses, weights, info.shard, info.notes
 
 
 def _assert_same_trajectory(ranks, reference):
@@ -282,6 +283,10 @@ def test_each_mode_follows_ddps_loss_trajectory(run_distributed, backend):
         ranks = run_distributed(_train, 2, args=(shard,), backend=backend, timeout=120)
         assert ranks[0][2] == shard
         _assert_same_trajectory(ranks, ddp[0][0])
+        # FSDP2 reduce-scatters a sum and divides it itself on both: gloo's AVG is a sum (torch 2.8),
+        # shm's native route takes SUM only (its backend object says so)
+        summed = f"shard='full' on {backend}: FSDP2 reduce-scatters a sum and divides it itself"
+        assert (summed in ranks[0][3]) == (shard == "full"), ranks[0][3]
         for name, w in ranks[0][1].items():
             assert torch.allclose(w, ddp[0][1][name], rtol=1e-4, atol=1e-6), f"{shard}: {name} differs from DDP's"
 

@@ -48,6 +48,10 @@ class TorchBackend(BackendSpec):
 class GlooBackend(TorchBackend):
     """torch's CPU backend: auto's fallback, and a leg between nodes."""
 
+    #: torch 2.8's gloo returns the *sum* for ReduceOp.AVG in reduce_scatter (ranks holding 1 and 2
+    #: got 3, not 1.5): FSDP2's gradients N times too large, silently.
+    averages_in_reduce_scatter = False
+
     def auto_choice(self, reason: str, inter: Optional[str], lk: Lookups, probe_torch: bool) -> BackendChoice:
         """gloo when nothing faster runs (``reason`` says why); without torch (``cpuddp doctor``
         without ``--torch``) taken as built in, as in every PyPI torch."""

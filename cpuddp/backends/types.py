@@ -165,6 +165,9 @@ class BackendSpec:
     #: Whether its check imports torch (torch's own backends): ``cpuddp doctor`` without
     #: ``--torch`` lists it unprobed.
     built_into_torch: ClassVar[bool] = False
+    #: Whether its ``reduce_scatter`` with ``ReduceOp.AVG`` is as right and as fast as with SUM;
+    #: False: a caller that can (FSDP2) reduces a sum and divides it itself.
+    averages_in_reduce_scatter: ClassVar[bool] = True
 
     # ------------------------------------------------------------ choosing
 

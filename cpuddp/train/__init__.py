@@ -13,5 +13,6 @@ the sharding machinery (:mod:`.sharding`: FSDP2, ``shard="optimizer"``'s ZeRO), 
 (:mod:`.checkpoint`: ``save``, ``load``).  A subpackage imports only those below it;
 the modules at the top import any.
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp.launchers.report`, :mod:`cpuddp._compat`, :mod:`cpuddp._units`,
-:mod:`cpuddp._package`, :mod:`cpuddp.topology`, :mod:`cpuddp.affinity`, :mod:`cpuddp.ranks`.
+:mod:`cpuddp._package`, :mod:`cpuddp.topology`, :mod:`cpuddp.affinity`, :mod:`cpuddp.ranks`,
+:mod:`cpuddp.backends.types`.
 """

@@ -48,6 +48,10 @@ _SET = "_set"
 class ShmBackend(BackendSpec):
     """cpuddp's shared-memory backend within a node; between nodes its leg's backend."""
 
+    #: Its native one-call route takes SUM, not AVG (the division would be a second pass over the
+    #: output): a sum divided by the caller stays on it.
+    averages_in_reduce_scatter = False
+
     def named_choice(self, st: BackendStatus, env: "DistEnv", lk: Lookups) -> BackendChoice:
         return dataclasses.replace(super().named_choice(st, env, lk), inter=self.rule_leg(env, lk))
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from cpuddp.backends.types import backend_for
 from cpuddp.errors import PrepareError, warn
 from cpuddp.ranks import log0
 
@@ -263,15 +264,17 @@ def _mesh(shape: tuple[int, int], places: Sequence[tuple[int, int, int]], group:
     return DeviceMesh("cpu", grid, mesh_dim_names=("replicate", "shard"))
 
 
-def _reduce_scatters_over_gloo(mesh: Any) -> bool:
-    """True when the mesh's shard dimension is a gloo group.  FSDP2 reduce-scatters fp32 and bf16
-    gradients with ``ReduceOp.AVG``, and torch 2.8's gloo returns the *sum* for it (ranks holding
-    1 and 2 got 3, not 1.5): every gradient N times too large, silently (Adam hides it, its state
-    does not).  There FSDP2 is told to reduce with SUM and divide afterwards, which is right on
+def _sums_in_reduce_scatter(mesh: Any) -> Optional[str]:
+    """The backend of the mesh's shard dimension when FSDP2 should reduce-scatter a SUM and divide
+    afterwards (its object says: :attr:`~cpuddp.backends.types.BackendSpec.averages_in_reduce_scatter`),
+    else None.  FSDP2 reduce-scatters fp32 and bf16 gradients with ``ReduceOp.AVG``; torch 2.8's
+    gloo returns the *sum* for it (every gradient N times too large, silently: Adam hides it, its
+    state does not), and shm's native route takes SUM only.  A sum divided afterwards is right on
     every torch."""
     import torch.distributed as dist
 
-    return dist.get_backend(mesh.get_group(mesh.ndim - 1)) == "gloo"
+    name = dist.get_backend(mesh.get_group(mesh.ndim - 1))
+    return None if backend_for(name).averages_in_reduce_scatter else str(name)
 
 
 def _rebind(optimizer: torch.optim.Optimizer, model: nn.Module, names: list[list[str]]) -> None:
@@ -310,10 +313,11 @@ def apply_full(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], *, 
         # the last block's backward comes first: keep it gathered after forward (as torchtitan does)
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(found) - 1)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    if _reduce_scatters_over_gloo(mesh):
+    summing = _sums_in_reduce_scatter(mesh)
+    if summing is not None:
         for _, block in [*found, ("", model)]:
             block.set_force_sum_reduction_for_comms(True)
-        notes.append("shard='full' on gloo: FSDP2 reduce-scatters a sum and divides it itself")
+        notes.append(f"shard='full' on {summing}: FSDP2 reduce-scatters a sum and divides it itself")
     if optimizer is not None:
         _rebind(optimizer, model, opt_names)
     if running_allocator() == "glibc":
