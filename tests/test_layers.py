@@ -148,13 +148,13 @@ def test_the_checks_can_fail(monkeypatch):
         if name == "cpuddp.errors":
             yield "cpuddp.distributed", "init_distributed"
         if name == "cpuddp.train.common.rank0":
-            yield "cpuddp.train.checkpoint.resume", "save_checkpoint"
+            yield "cpuddp.train.checkpoint.save", "save_checkpoint"
 
     monkeypatch.setattr(f"{__name__}._imports", fake)
     with pytest.raises(AssertionError, match=r"cpuddp.errors \(base\) imports cpuddp.distributed"):
         test_no_area_imports_its_own_layer_or_one_above()
     assert "cpuddp.errors" in _cycle()
-    assert _train_upward(MODULES) == ["cpuddp.train.common.rank0 imports cpuddp.train.checkpoint.resume.save_checkpoint"]
+    assert _train_upward(MODULES) == ["cpuddp.train.common.rank0 imports cpuddp.train.checkpoint.save.save_checkpoint"]
 
 
 # --------------------------------------------------------------------------- the subpackages say so
