@@ -77,7 +77,7 @@ def _phases(numel: int, calls: int) -> dict:
     import torch.distributed as dist
 
     from cpuddp.backends.shm import calls as shm_calls
-    from cpuddp.backends.shm import channel, group, local
+    from cpuddp.backends.shm import channel, group, local, route_node
 
     acc: dict = {}
     clock = time.perf_counter
@@ -96,7 +96,7 @@ def _phases(numel: int, calls: int) -> dict:
 
     timed(shm_calls.Collectives, "allreduce", "cpuddp (all of it)")
     timed(group.ShmProcessGroup, "_run", "run (agreement, stream, data)")
-    timed(shm_calls.Collectives, "_all_reduce", "data path")
+    timed(route_node.NodeRoute, "_all_reduce", "data path")
     timed(channel.Channel, "agree", "post the call")
     timed(channel.Channel, "round", "round (wait for the peers)")
     t = torch.ones(numel)

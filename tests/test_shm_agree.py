@@ -160,7 +160,7 @@ def test_sparse_layouts_are_compared_across_nodes_too():
 
     import torch
 
-    from cpuddp.backends.shm.agree import CallMismatch
+    from cpuddp.backends.shm.descriptor import CallMismatch
     from cpuddp.backends.shm.ops import SUM
     from cpuddp.backends.shm.sparse import all_reduce_sparse
 

@@ -7,7 +7,7 @@ descriptor, compare it with every peer's), the rounds, the abort word, leaving a
 The data paths (:mod:`cpuddp.backends.shm.local`, :mod:`~cpuddp.backends.shm.levels`,
 :mod:`~cpuddp.backends.shm.cross`) need two calls of it: :meth:`Channel.agree` a call,
 :meth:`Channel.round` a round.  The pieces it drives: :mod:`~cpuddp.backends.shm.segment`
-(the mapping, the liveness locks), :mod:`~cpuddp.backends.shm.agree` (the descriptor rings),
+(the mapping, the liveness locks), :mod:`~cpuddp.backends.shm.descriptor` (the descriptor rings),
 :mod:`~cpuddp.backends.shm.wait` (the one wait policy).
 May import: the shm modules named above, torch.distributed, cpuddp.errors.
 
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from cpuddp.errors import GroupShutDownError
 
-from .agree import Call, Ring, describe
+from .descriptor import Call, Ring, describe
 from .native import Counters
 from .segment import C_CHECKED, C_STATE, STATE_LEFT, W_ABORT, Segment
 from .wait import Waiter

@@ -22,7 +22,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .agree import encode
+from .descriptor import encode
 from .forms import overlaps, overlaps_elsewhere
 from .ops import dense, flat_bytes
 from .stream import ShmWork

@@ -19,7 +19,7 @@ tensor goes through a contiguous staging copy and back) -- through the node's sh
 oneCCL) between them (:mod:`cpuddp.backends.shm.cross`).  Nodes that run different numbers of
 ranks, or one rank each, run every collective on gloo (the reason is logged).
 
-Every collective is agreed first (:mod:`cpuddp.backends.shm.agree`): a mismatch between the
+Every collective is agreed first (:mod:`cpuddp.backends.shm.descriptor`): a mismatch between the
 node's ranks is an error on every rank naming both calls, never a wrong result.  Errors raise
 from the call (or its ``wait()``), and break the group: later calls raise at once.
 
@@ -62,10 +62,10 @@ from cpuddp.launchers import identity
 from . import api
 from . import check as shm_check
 from . import forms, native
-from .agree import encode
 from .calls import Collectives
 from .channel import Channel, Lifecycle
 from .cross import Hierarchy, SumThenDivide, cross_group
+from .descriptor import encode
 from .direct import Direct
 from .handover import map_segment
 from .levels import setup_levels
@@ -74,6 +74,9 @@ from .node import GroupName, NodePlan, check_local_size, group_name, parse_who, 
 from .ops import check_tensors, dense
 from .p2p import PeerLinks
 from .progress import Progress
+from .route import CALLS, Route, WorldRoute
+from .route_native import NativeRoute
+from .route_node import CrossRoute, NodeRoute
 from .segment import C_NATIVE
 from .stream import ASYNC_FROM, GatheredWork, Stream, TimedWork, async_setting
 from .wait import Waiter
@@ -150,6 +153,11 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._direct = (Direct(self._native, self._life, self._eng.ch.seg, self._stream.exec_lock,  # type: ignore[union-attr]
                                self._on_error, self._plan.local)  # type: ignore[union-attr]
                         if self._native is not None and self._stream.inline and self._progress is None else None)
+        #: the route every collective takes (cpuddp.backends.shm.route), chosen once: its methods
+        #: bound here as ``_<name>``, what torch's methods (cpuddp.backends.shm.calls) hand a call to
+        self._route = self._route_for()
+        for call in CALLS:
+            setattr(self, f"_{call}", getattr(self._route, call))
         api.track(self)
         if rank == 0:
             log.info("cpuddp.shm: group of %d: %s", size, self.reason)
@@ -194,6 +202,18 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._world = SumThenDivide(dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout), size)
         return (f"shared memory within each of {plan.nodes} nodes ({plan.local_size} ranks each), "
                 f"{self._options.inter} between them")
+
+    def _route_for(self) -> Route:
+        """The route of the formed group, from what :meth:`_setup` made: no engine of the node's
+        (every collective on gloo), the hierarchy across nodes, the native data path, or the
+        Python engine."""
+        if self._eng is None:
+            return WorldRoute(self._world)
+        if self._hier is not None:
+            return CrossRoute(self, self._eng, self._hier, self._world)
+        if self._native is not None:
+            return NativeRoute(self, self._eng, self._native)
+        return NodeRoute(self, self._eng)
 
     def _thread_setup(self) -> None:
         """On the communication thread: its ops use one OpenMP thread."""

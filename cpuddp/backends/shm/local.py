@@ -43,7 +43,7 @@ about as much as copying 4 KiB.
 * ``barrier``: the agreement itself (every rank posted the call, so every rank entered it).
 
 Before it reads anything a peer wrote for a call, a rank compares the call's descriptor with
-every peer's (:mod:`cpuddp.backends.shm.agree`, driven by the channel): a mismatch is an error
+every peer's (:mod:`cpuddp.backends.shm.descriptor`, driven by the channel): a mismatch is an error
 on every rank.  After any error the group is broken: every later call raises at once, and the
 segment's abort word makes the peers stop too (:mod:`cpuddp.backends.shm.channel`).
 """

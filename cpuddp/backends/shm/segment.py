@@ -92,7 +92,7 @@ class Segment:
         self.lines = [(ctypes.c_int64 * 6).from_buffer(self.mm, counters + i * shm_check.COUNTER_STRIDE)
                       for i in range(local_size)]
         # descriptor rings, entry-major: entry i of every rank side by side, so one comparison
-        # of those bytes agrees a call (cpuddp.backends.shm.agree)
+        # of those bytes agrees a call (cpuddp.backends.shm.descriptor)
         ring, desc = shm_check.ring_offset(local_size), shm_check.DESC_BYTES
         self.ring_at = [ring + i * local_size * desc for i in range(shm_check.RING)]
         self.rings = [[(ctypes.c_int64 * (desc // 8)).from_buffer(self.mm, self.ring_at[i] + r * desc)

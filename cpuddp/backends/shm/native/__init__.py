@@ -54,7 +54,7 @@ RC_OK, RC_AGAIN, RC_MISMATCH, RC_DEAD, RC_LEFT, RC_ABORT, RC_TIMEOUT, RC_ARG, RC
 W_POST, W_SETTLE, W_ROUND = 1, 2, 3
 #: engine.c's collectives
 K_ALL_REDUCE, K_BROADCAST, K_BARRIER, K_ALL_GATHER, K_REDUCE_SCATTER, K_REDUCE = range(1, 7)
-#: the agreement's dtype codes (cpuddp.backends.shm.agree) the library moves and reduces
+#: the agreement's dtype codes (cpuddp.backends.shm.descriptor) the library moves and reduces
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64")
 _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
