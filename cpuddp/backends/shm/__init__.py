@@ -10,7 +10,7 @@ all_reduce in two levels over NUMA nodes: :mod:`.levels`) and in C (:mod:`.nativ
 its binding and build, the path a node agrees on; its routes: :mod:`.direct`, one call from
 torch's, and :mod:`.progress`, the progress thread) and the leg across nodes
 (:mod:`.cross`); where collectives run (:mod:`.stream`); argument forms and size checks
-(:mod:`.forms`), reduce ops and staging (:mod:`.ops`), sparse all_reduce (:mod:`.sparse`) and
+(:mod:`.call_args`), reduce ops and staging (:mod:`.ops`), sparse all_reduce (:mod:`.sparse`) and
 send/recv (:mod:`.p2p`); the collectives torch calls (:mod:`.calls`), the route they take, chosen
 once per group (:mod:`.route`: :mod:`.route_node`, :mod:`.route_native`), and the process group
 (:mod:`.group`, which imports torch and registers ``"shm"``).

@@ -3,7 +3,7 @@
 
 Every method: ask the group's direct route first where it has one (five collectives: one
 native call, :mod:`cpuddp.backends.shm.direct`), else normalise torch's argument forms
-(:mod:`cpuddp.backends.shm.forms`) and hand the call to the route the group chose when it formed
+(:mod:`cpuddp.backends.shm.call_args`) and hand the call to the route the group chose when it formed
 (:mod:`cpuddp.backends.shm.route`: one node in shared memory on the Python engine or the native
 data path, several nodes through the hierarchy, or every rank's gloo group), whose methods the
 group bound as ``_<name>`` (:data:`~cpuddp.backends.shm.route.CALLS`): a bound method, no branch
@@ -21,7 +21,7 @@ from typing import Any, Callable, List
 
 import torch
 
-from . import forms
+from . import call_args
 from .ops import check_tensors
 
 __all__ = ["Collectives"]
@@ -59,17 +59,17 @@ class Collectives:
             work = direct.all_reduce(tensors, opts)
             if work is not None:
                 return work
-        return self._all_reduce(forms.one_tensor(tensors, "all_reduce"), forms.reduce_op(opts, args, kw))
+        return self._all_reduce(call_args.one_tensor(tensors, "all_reduce"), call_args.reduce_op(opts, args, kw))
 
     def allreduce_coalesced(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
-        return self._all_reduce_coalesced(list(tensors), forms.reduce_op(opts, args, kw))
+        return self._all_reduce_coalesced(list(tensors), call_args.reduce_op(opts, args, kw))
 
     def reduce(self, tensors: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
         if isinstance(tensors, torch.Tensor):  # reduce(tensor, root, op=SUM, timeout=None)
-            root, code = forms.root_of(None, opts, kw), forms.reduce_op(None, args, kw)
+            root, code = call_args.root_of(None, opts, kw), call_args.reduce_op(None, args, kw)
         else:
-            root, code = forms.root_of(opts, None, kw), forms.reduce_op(opts)
-        return self._reduce(forms.one_tensor(tensors, "reduce"), root, code)
+            root, code = call_args.root_of(opts, None, kw), call_args.reduce_op(opts)
+        return self._reduce(call_args.one_tensor(tensors, "reduce"), root, code)
 
     # ------------------------------------------------------------------ broadcast
 
@@ -80,10 +80,10 @@ class Collectives:
             if work is not None:
                 return work
         if isinstance(tensors, torch.Tensor):  # broadcast(tensor, root, timeout=None)
-            root = forms.root_of(None, opts, kw)
+            root = call_args.root_of(None, opts, kw)
         else:
-            root = forms.root_of(opts, None, kw)
-        return self._broadcast(forms.one_tensor(tensors, "broadcast"), root)
+            root = call_args.root_of(opts, None, kw)
+        return self._broadcast(call_args.one_tensor(tensors, "broadcast"), root)
 
     # ------------------------------------------------------------------ all_gather, gather
 
@@ -112,19 +112,19 @@ class Collectives:
 
     def gather(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
         if isinstance(inputs, torch.Tensor):  # gather(output_list, input, root, timeout=None)
-            root = forms.root_of(None, opts, kw)
+            root = call_args.root_of(None, opts, kw)
             outputs, inputs = ([outputs] if outputs else []), [inputs]
         else:
-            root = forms.root_of(opts, None, kw)
+            root = call_args.root_of(opts, None, kw)
         return self._gather(outputs, inputs, root)
 
     # ------------------------------------------------------------------ reduce_scatter, scatter
 
     def reduce_scatter(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
         if isinstance(outputs, torch.Tensor):  # reduce_scatter(output, input_list, op=SUM, timeout=None)
-            outputs, inputs, code = [outputs], [inputs], forms.reduce_op(opts, args, kw)
+            outputs, inputs, code = [outputs], [inputs], call_args.reduce_op(opts, args, kw)
         else:
-            code = forms.reduce_op(opts)
+            code = call_args.reduce_op(opts)
         return self._reduce_scatter(outputs, inputs, code)
 
     def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None, *args: Any,  # noqa: A002
@@ -134,23 +134,23 @@ class Collectives:
             work = direct.reduce_scatter(output, input, opts)
             if work is not None:
                 return work
-        return self._reduce_scatter_single(output, input, forms.reduce_op(opts, args, kw))
+        return self._reduce_scatter_single(output, input, call_args.reduce_op(opts, args, kw))
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any,
                                         **kw: Any) -> Any:
-        code, outputs, inputs = forms.reduce_op(opts, args, kw), list(outputs), list(inputs)
+        code, outputs, inputs = call_args.reduce_op(opts, args, kw), list(outputs), list(inputs)
         return self._reduce_scatter_single_coalesced(outputs, inputs, code)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def scatter(self, outputs: Any, inputs: Any, opts: Any = None, *args: Any, **kw: Any) -> Any:
         if isinstance(outputs, torch.Tensor):  # scatter(output, input_list, root, timeout=None)
-            root = forms.root_of(None, opts, kw)
+            root = call_args.root_of(None, opts, kw)
             outputs, inputs = [outputs], ([inputs] if inputs else [])
         else:
-            root = forms.root_of(opts, None, kw)
+            root = call_args.root_of(opts, None, kw)
         return self._scatter(outputs, inputs, root)
 
     # ------------------------------------------------------------------ all_to_all, barrier
@@ -158,13 +158,13 @@ class Collectives:
     def alltoall(self, outputs: Any, inputs: Any, *args: Any, **kw: Any) -> Any:
         outs, ins = list(outputs), list(inputs)
         check_tensors([*outs, *ins], "all_to_all")
-        agreed = forms.one_dtype(ins, outs, self.rank(), "all_to_all")
+        agreed = call_args.one_dtype(ins, outs, self.rank(), "all_to_all")
         return self._all_to_all(outs, ins, agreed, outputs)
 
     def all_to_all_single(self, output: Any, input: Any, output_split_sizes: Any = None,  # noqa: A002
                           input_split_sizes: Any = None, *args: Any, **kw: Any) -> Any:
         check_tensors([output, input], "all_to_all_single")
-        agreed = forms.one_dtype([input], [output], self.rank(), "all_to_all_single")
+        agreed = call_args.one_dtype([input], [output], self.rank(), "all_to_all_single")
         return self._all_to_all_single(output, input, output_split_sizes, input_split_sizes, agreed)
 
     alltoall_base = all_to_all_single

@@ -70,7 +70,7 @@ def dtype_name(code: int) -> str:
 
 class Pinned(list):
     """A call's tensors (its byte count) and descriptor fields its collective sets itself:
-    :func:`encode` takes ``fields`` as they are (:mod:`cpuddp.backends.shm.forms` and
+    :func:`encode` takes ``fields`` as they are (:mod:`cpuddp.backends.shm.call_args` and
     :mod:`cpuddp.backends.shm.sparse` pack all_to_all's dtype and a sparse tensor's layout)."""
 
     def __init__(self, items: Sequence[Any] = (), /, **fields: int) -> None:

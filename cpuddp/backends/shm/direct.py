@@ -23,7 +23,7 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 
 from .descriptor import encode
-from .forms import overlaps, overlaps_elsewhere
+from .call_args import overlaps, overlaps_elsewhere
 from .ops import dense, flat_bytes
 from .stream import ShmWork
 

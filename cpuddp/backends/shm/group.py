@@ -61,7 +61,7 @@ from cpuddp.launchers import identity
 
 from . import api
 from . import check as shm_check
-from . import forms, native
+from . import call_args, native
 from .calls import Collectives
 from .channel import Channel, Lifecycle
 from .cross import Hierarchy, SumThenDivide, cross_group
@@ -308,7 +308,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         """Within the node over its sockets, else on the gloo group of every rank; a tensor that
         is not contiguous goes through a staging copy (and back, for a recv)."""
         self._usable()
-        tensors = forms.one_tensor(tensors, kind)
+        tensors = call_args.one_tensor(tensors, kind)
         check_tensors(tensors, kind)
         t = tensors[0]
         flat = t if t.is_contiguous() else (t.contiguous() if kind == "send" else torch.empty(t.shape, dtype=t.dtype))

@@ -30,7 +30,7 @@ from typing import Any, List, Sequence
 import torch
 import torch.distributed as dist
 
-from . import forms
+from . import call_args
 from .stream import GatheredWork
 
 __all__ = ["CALLS", "Route", "WorldRoute", "world_all_to_all"]
@@ -120,16 +120,16 @@ class WorldRoute(Route):
         self.world = world
 
     def all_reduce(self, tensors: List[Any], code: Any) -> Any:
-        return self.world.allreduce(tensors, forms.options(dist.AllreduceOptions, reduceOp=code))
+        return self.world.allreduce(tensors, call_args.options(dist.AllreduceOptions, reduceOp=code))
 
     def all_reduce_coalesced(self, tensors: List[Any], code: Any) -> Any:
-        return self.world.allreduce_coalesced(tensors, forms.options(dist.AllreduceCoalescedOptions, reduceOp=code))
+        return self.world.allreduce_coalesced(tensors, call_args.options(dist.AllreduceCoalescedOptions, reduceOp=code))
 
     def reduce(self, tensors: List[Any], root: Any, code: Any) -> Any:
-        return self.world.reduce(tensors, forms.options(dist.ReduceOptions, reduceOp=code, rootRank=root))
+        return self.world.reduce(tensors, call_args.options(dist.ReduceOptions, reduceOp=code, rootRank=root))
 
     def broadcast(self, tensors: List[Any], root: Any) -> Any:
-        return self.world.broadcast(tensors, forms.options(dist.BroadcastOptions, rootRank=root))
+        return self.world.broadcast(tensors, call_args.options(dist.BroadcastOptions, rootRank=root))
 
     def all_gather(self, outputs: Any, inputs: Any) -> Any:
         return self.world.allgather(outputs, inputs)
@@ -144,20 +144,20 @@ class WorldRoute(Route):
         return self.world.allgather_coalesced(outputs, inputs)
 
     def gather(self, outputs: Any, inputs: Any, root: Any) -> Any:
-        return self.world.gather(outputs, inputs, forms.options(dist.GatherOptions, rootRank=root))
+        return self.world.gather(outputs, inputs, call_args.options(dist.GatherOptions, rootRank=root))
 
     def reduce_scatter(self, outputs: Any, inputs: Any, code: Any) -> Any:
-        return self.world.reduce_scatter(outputs, inputs, forms.options(dist.ReduceScatterOptions, reduceOp=code))
+        return self.world.reduce_scatter(outputs, inputs, call_args.options(dist.ReduceScatterOptions, reduceOp=code))
 
     def reduce_scatter_single(self, output: Any, inp: Any, code: Any) -> Any:
-        return self.world._reduce_scatter_base(output, inp, forms.options(dist.ReduceScatterOptions, reduceOp=code))
+        return self.world._reduce_scatter_base(output, inp, call_args.options(dist.ReduceScatterOptions, reduceOp=code))
 
     def reduce_scatter_single_coalesced(self, outputs: List[Any], inputs: List[Any], code: Any) -> Any:
-        o = forms.options(dist.ReduceScatterOptions, reduceOp=code)
+        o = call_args.options(dist.ReduceScatterOptions, reduceOp=code)
         return GatheredWork([self.world._reduce_scatter_base(a, b, o) for a, b in zip(outputs, inputs)], outputs)
 
     def scatter(self, outputs: Any, inputs: Any, root: Any) -> Any:
-        return self.world.scatter(outputs, inputs, forms.options(dist.ScatterOptions, rootRank=root))
+        return self.world.scatter(outputs, inputs, call_args.options(dist.ScatterOptions, rootRank=root))
 
     def all_to_all(self, outs: List[torch.Tensor], ins: List[torch.Tensor], agreed: Sequence[torch.Tensor],
                    result: Any) -> Any:

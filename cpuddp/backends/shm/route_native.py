@@ -7,7 +7,7 @@ from typing import Any, List
 
 import torch
 
-from . import forms
+from . import call_args
 from .ops import AVG, check_tensors, flat_bytes, reducer, staged
 from .route_node import NodeRoute
 
@@ -86,7 +86,7 @@ class NativeRoute(NodeRoute):
     def all_gather_single(self, output: Any, inp: Any) -> Any:
         self._check_all_gather_single(output, inp)
         g, nat = self.g, self.nat
-        if g._queues([output, inp]) and not forms.overlaps_elsewhere(output, inp, self.rank):
+        if g._queues([output, inp]) and not call_args.overlaps_elsewhere(output, inp, self.rank):
             return g._submit_native("all_gather_single", [inp],
                                     lambda call: nat.all_gather(call, flat_bytes(output), flat_bytes(inp)), output,
                                     None)
@@ -97,7 +97,7 @@ class NativeRoute(NodeRoute):
         apart from it (any other overlap goes through a copy of its own)."""
         with staged(output, out=True) as flat, staged(inp, out=False) as staged_in:
             out, fin = flat_bytes(flat), flat_bytes(staged_in)
-            if forms.overlaps_elsewhere(out, fin, self.rank):
+            if call_args.overlaps_elsewhere(out, fin, self.rank):
                 fin = fin.clone()
             self.nat.run(call, self.nat.all_gather(call, out, fin))
 
@@ -107,7 +107,7 @@ class NativeRoute(NodeRoute):
         g, nat = self.g, self.nat
         if not nat.reduces(code, output.dtype):
             return self._reduce_scatter_single_python(output, inp, code, fn)
-        if g._queues([output, inp]) and not forms.overlaps(output, inp):
+        if g._queues([output, inp]) and not call_args.overlaps(output, inp):
             size = self.size
             return g._submit_native("reduce_scatter_single", [output],
                                     lambda call: nat.reduce_scatter(call, output, inp, code), output,
@@ -119,7 +119,7 @@ class NativeRoute(NodeRoute):
         """reduce_scatter_single on the native path: an output that overlaps the input gets a
         result of its own first."""
         with staged(inp, out=False) as fin, staged(output, out=True) as flat:
-            aside = forms.overlaps(flat, fin)
+            aside = call_args.overlaps(flat, fin)
             dst = torch.empty_like(flat) if aside else flat
             self.nat.run(call, self.nat.reduce_scatter(call, dst, fin, code))
             if code == AVG:

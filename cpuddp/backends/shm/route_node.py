@@ -12,7 +12,7 @@ import torch
 
 from cpuddp.errors import BackendError
 
-from . import forms
+from . import call_args
 from .ops import AVG, SUM, check_tensors, flat_bytes, reducer, staged
 from .route import Route, world_all_to_all
 from .sparse import all_reduce_sparse, check_sparse, sparse_call
@@ -128,9 +128,9 @@ class NodeRoute(Route):
     # ------------------------------------------------------------------ all_gather, gather
 
     def all_gather(self, outputs: Any, inputs: Any) -> Any:
-        inputs = forms.one_tensor(inputs, "all_gather")
+        inputs = call_args.one_tensor(inputs, "all_gather")
         check_tensors([*inputs, *outputs[0]], "all_gather")
-        outs = forms.same_as_input(outputs[0], inputs[0], self.size, self.rank, "all_gather")
+        outs = call_args.same_as_input(outputs[0], inputs[0], self.size, self.rank, "all_gather")
         return self.g._run("all_gather", inputs, lambda: self._all_gather(inputs[0], outs), outputs)
 
     def _all_gather(self, inp: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
@@ -146,7 +146,7 @@ class NodeRoute(Route):
 
     def _check_all_gather_single(self, output: Any, inp: Any) -> None:
         check_tensors([output, inp], "all_gather_single")
-        forms.whole_of(output, inp, self.size, self.rank, "all_gather_single")
+        call_args.whole_of(output, inp, self.size, self.rank, "all_gather_single")
 
     def all_gather_single(self, output: Any, inp: Any) -> Any:
         self._check_all_gather_single(output, inp)
@@ -155,7 +155,7 @@ class NodeRoute(Route):
     def all_gather_single_coalesced(self, outputs: List[Any], inputs: List[Any]) -> Any:
         check_tensors([*outputs, *inputs], "all_gather_single_coalesced")
         for o, i in zip(outputs, inputs):
-            forms.whole_of(o, i, self.size, self.rank, "all_gather_single_coalesced")
+            call_args.whole_of(o, i, self.size, self.rank, "all_gather_single_coalesced")
 
         def body() -> None:
             for o, i in zip(outputs, inputs):
@@ -166,7 +166,7 @@ class NodeRoute(Route):
     def all_gather_coalesced(self, outputs: Any, inputs: Any) -> Any:
         inputs = list(inputs)
         check_tensors([*inputs, *(t for o in outputs for t in o)], "all_gather_coalesced")
-        outs = [forms.same_as_input(o, i, self.size, self.rank, "all_gather_coalesced")
+        outs = [call_args.same_as_input(o, i, self.size, self.rank, "all_gather_coalesced")
                 for o, i in zip(outputs, inputs)]
 
         def body() -> None:
@@ -176,12 +176,12 @@ class NodeRoute(Route):
         return self.g._run("all_gather_coalesced", inputs, body, outputs)
 
     def gather(self, outputs: Any, inputs: Any, root: Any) -> Any:
-        inp = forms.one_tensor(inputs, "gather")[0]
+        inp = call_args.one_tensor(inputs, "gather")[0]
         self.g._check_root(root)
         outs = None
         if self.rank == root:
             check_tensors([inp, *(outputs[0] if outputs else [])], "gather")
-            outs = forms.same_as_input(outputs[0] if outputs else [], inp, self.size, self.rank, "gather")
+            outs = call_args.same_as_input(outputs[0] if outputs else [], inp, self.size, self.rank, "gather")
         elif outputs and any(len(o) for o in outputs):
             raise BackendError(f"gather: rank {self.rank} passed a gather_list but is not the root ({root})",
                                fix="pass gather_list on the root (dst) only")
@@ -198,16 +198,16 @@ class NodeRoute(Route):
     # ------------------------------------------------------------------ reduce_scatter, scatter
 
     def reduce_scatter(self, outputs: Any, inputs: Any, code: Any) -> Any:
-        out = forms.one_tensor(outputs, "reduce_scatter")[0]
+        out = call_args.one_tensor(outputs, "reduce_scatter")[0]
         check_tensors([out, *inputs[0]], "reduce_scatter")
-        parts = forms.same_as_input(inputs[0], out, self.size, self.rank, "reduce_scatter")
+        parts = call_args.same_as_input(inputs[0], out, self.size, self.rank, "reduce_scatter")
         fn = reducer(code, out.dtype)
         return self.g._run("reduce_scatter", [out], lambda: self._reduce_scatter(out, parts, code, fn), outputs,
                            op=code)
 
     def _check_reduce_scatter_single(self, output: Any, inp: Any) -> None:
         check_tensors([output, inp], "reduce_scatter_single")
-        forms.whole_of(inp, output, self.size, self.rank, "reduce_scatter_single")
+        call_args.whole_of(inp, output, self.size, self.rank, "reduce_scatter_single")
 
     def reduce_scatter_single(self, output: Any, inp: Any, code: Any) -> Any:
         self._check_reduce_scatter_single(output, inp)
@@ -221,7 +221,7 @@ class NodeRoute(Route):
     def reduce_scatter_single_coalesced(self, outputs: List[Any], inputs: List[Any], code: Any) -> Any:
         check_tensors([*outputs, *inputs], "reduce_scatter_single_coalesced")
         for out, inp in zip(outputs, inputs):
-            forms.whole_of(inp, out, self.size, self.rank, "reduce_scatter_single_coalesced")
+            call_args.whole_of(inp, out, self.size, self.rank, "reduce_scatter_single_coalesced")
         fns = [reducer(code, out.dtype) for out in outputs]
 
         def body() -> None:
@@ -232,7 +232,7 @@ class NodeRoute(Route):
 
     def _reduce_scatter_single(self, out: torch.Tensor, inp: torch.Tensor, code: Any, fn: Callable[..., Any]) -> None:
         with staged(inp, out=False) as flat:
-            if out.numel() and not forms.overlaps(out, flat):
+            if out.numel() and not call_args.overlaps(out, flat):
                 # the input's parts as one [n, part] view, the output written in place: no object per rank
                 with staged(out, out=True) as dst:
                     self.eng.reduce_scatter(flat.view(self.size, -1), dst, fn)
@@ -245,7 +245,7 @@ class NodeRoute(Route):
     def _reduce_scatter(self, out: torch.Tensor, parts: List[torch.Tensor], code: Any, fn: Callable[..., Any]) -> None:
         with contextlib.ExitStack() as stack:
             flats = [stack.enter_context(staged(p, out=False)) for p in parts]
-            aside = any(forms.overlaps(out, f) for f in flats)  # in place: a result of its own first
+            aside = any(call_args.overlaps(out, f) for f in flats)  # in place: a result of its own first
             with staged(torch.empty_like(out) if aside else out, out=True) as dst:
                 self._leg_reduce_scatter(flats, dst, code, fn)
                 if code == AVG and self.size > 1:
@@ -254,12 +254,12 @@ class NodeRoute(Route):
                     out.copy_(dst.view(out.shape))
 
     def scatter(self, outputs: Any, inputs: Any, root: Any) -> Any:
-        out = forms.one_tensor(outputs, "scatter")[0]
+        out = call_args.one_tensor(outputs, "scatter")[0]
         self.g._check_root(root)
         parts: Optional[List[torch.Tensor]] = None
         if self.rank == root:
             check_tensors([out, *(inputs[0] if inputs else [])], "scatter")
-            parts = forms.same_as_input(inputs[0] if inputs else [], out, self.size, self.rank, "scatter")
+            parts = call_args.same_as_input(inputs[0] if inputs else [], out, self.size, self.rank, "scatter")
         else:
             check_tensors([out], "scatter")
         return self.g._run("scatter", [out], lambda: self._scatter(out, parts, root), outputs, root=root)
@@ -281,12 +281,12 @@ class NodeRoute(Route):
 
     def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any,
                           input_split_sizes: Any, agreed: Sequence[torch.Tensor]) -> Any:
-        ins = forms.split_rows(inp, input_split_sizes, self.size, "input")
-        forms.split_rows(output, output_split_sizes, self.size, "output")
+        ins = call_args.split_rows(inp, input_split_sizes, self.size, "input")
+        call_args.split_rows(output, output_split_sizes, self.size, "output")
 
         def body() -> None:
             with staged(output, out=True) as flat:
-                outs = forms.split_rows(flat.view(output.shape), output_split_sizes, self.size, "output")
+                outs = call_args.split_rows(flat.view(output.shape), output_split_sizes, self.size, "output")
                 self._all_to_all(outs, ins)
 
         return self.g._run("all_to_all_single", agreed, body, output)
