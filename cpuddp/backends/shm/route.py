@@ -33,7 +33,7 @@ import torch.distributed as dist
 from . import call_args
 from .stream import GatheredWork
 
-__all__ = ["CALLS", "Route", "WorldRoute", "world_all_to_all"]
+__all__ = ["CALLS", "Route", "WorldRoute", "WorldAllToAll", "world_all_to_all"]
 
 #: The route's methods (the group binds each as ``_<name>`` when it forms).
 CALLS = ("all_reduce", "all_reduce_coalesced", "reduce", "broadcast", "all_gather", "all_gather_single",
@@ -112,7 +112,22 @@ def world_all_to_all(world: Any, outs: List[torch.Tensor], ins: List[torch.Tenso
     return GatheredWork([work], outs, unpack)
 
 
-class WorldRoute(Route):
+class WorldAllToAll:
+    """all_to_all on ``self.world``, the gloo group of every rank (a hierarchy gains nothing for
+    it): the world route's, and the cross-node route's."""
+
+    world: Any
+
+    def all_to_all(self, outs: List[torch.Tensor], ins: List[torch.Tensor], agreed: Sequence[torch.Tensor],
+                   result: Any) -> Any:
+        return world_all_to_all(self.world, outs, ins)
+
+    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any,
+                          input_split_sizes: Any, agreed: Sequence[torch.Tensor]) -> Any:
+        return self.world.alltoall_base(output, inp, list(output_split_sizes or []), list(input_split_sizes or []))
+
+
+class WorldRoute(WorldAllToAll, Route):
     """Every collective on ``world``, the gloo group of every rank
     (:class:`~cpuddp.backends.shm.cross.SumThenDivide`): no engine of the node's."""
 
@@ -158,14 +173,6 @@ class WorldRoute(Route):
 
     def scatter(self, outputs: Any, inputs: Any, root: Any) -> Any:
         return self.world.scatter(outputs, inputs, call_args.options(dist.ScatterOptions, rootRank=root))
-
-    def all_to_all(self, outs: List[torch.Tensor], ins: List[torch.Tensor], agreed: Sequence[torch.Tensor],
-                   result: Any) -> Any:
-        return world_all_to_all(self.world, outs, ins)
-
-    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any,
-                          input_split_sizes: Any, agreed: Sequence[torch.Tensor]) -> Any:
-        return self.world.alltoall_base(output, inp, list(output_split_sizes or []), list(input_split_sizes or []))
 
     def barrier(self) -> Any:
         return self.world.barrier()

@@ -14,7 +14,7 @@ from cpuddp.errors import BackendError
 
 from . import call_args
 from .ops import AVG, SUM, check_tensors, flat_bytes, reducer, staged
-from .route import Route, world_all_to_all
+from .route import Route, WorldAllToAll
 from .sparse import all_reduce_sparse, check_sparse, sparse_call
 
 __all__ = ["NodeRoute", "CrossRoute"]
@@ -301,7 +301,7 @@ class NodeRoute(Route):
         return self.g._run("barrier", [], self.data.barrier, None)
 
 
-class CrossRoute(NodeRoute):
+class CrossRoute(WorldAllToAll, NodeRoute):
     """Several nodes: the checks and staging of :class:`NodeRoute`, the data through ``hier``
     (:class:`~cpuddp.backends.shm.cross.Hierarchy`: shared memory inside the node, its cross group
     between nodes); all_to_all on ``world``, the gloo group of every rank."""
@@ -338,10 +338,3 @@ class CrossRoute(NodeRoute):
             parts = list(flat.view(self.size, -1)) if out.numel() else [flat] * self.size
             self._reduce_scatter(out, parts, code, fn)
 
-    def all_to_all(self, outs: List[torch.Tensor], ins: List[torch.Tensor], agreed: Sequence[torch.Tensor],
-                   result: Any) -> Any:
-        return world_all_to_all(self.world, outs, ins)
-
-    def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any,
-                          input_split_sizes: Any, agreed: Sequence[torch.Tensor]) -> Any:
-        return self.world.alltoall_base(output, inp, list(output_split_sizes or []), list(input_split_sizes or []))
