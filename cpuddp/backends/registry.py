@@ -62,6 +62,7 @@ from .shm.backend import ShmBackend
 from .torch_backends import GlooBackend, MpiBackend, NcclBackend, torch_probe
 from .types import (
     BACKENDS,
+    REQUEST_WORDS,
     BackendChoice,
     BackendName,
     BackendSpec,
@@ -247,6 +248,7 @@ def _auto(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[int] = N
 
 #: What ``backend=`` may ask for besides a backend's name: the rule's choice.
 _REQUESTS: dict[str, Callable[..., BackendChoice]] = {BackendName.AUTO: _auto}
+assert set(_REQUESTS) == REQUEST_WORDS, "types.REQUEST_WORDS (BackendChoice.named) names the same requests"
 
 
 def accepts(requested: Any, live: str) -> bool:

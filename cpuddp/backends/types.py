@@ -68,6 +68,10 @@ class BackendName(str):
         return super().__new__(cls, value.strip().lower())
 
 
+#: What ``backend=`` may ask for that names no backend: the rule's choice.
+REQUEST_WORDS = frozenset({BackendName.AUTO})
+
+
 @dataclass(frozen=True)
 class BackendStatus:
     """Whether one backend can run here, and why (or why not)."""
@@ -104,8 +108,11 @@ class BackendChoice:
     #: True when ``inter`` is the user's ``CPUDDP_SHM_INTER`` (the ranks must agree on it: an
     #: error names theirs where they differ), not the rule's.
     inter_set: bool = False
-    #: True when the user named the backend (``backend="shm"``), False when "auto" chose it.
-    named: bool = False
+
+    @property
+    def named(self) -> bool:
+        """Whether the user named the backend (``backend="shm"``), not "auto" (``requested``)."""
+        return BackendName(self.requested) not in REQUEST_WORDS
 
     @property
     def backend(self) -> "BackendSpec":
@@ -223,7 +230,7 @@ class BackendSpec:
     def named_choice(self, st: BackendStatus, env: "DistEnv", lk: Lookups) -> BackendChoice:
         """The choice for ``backend=<this>``, checked (``st``: its status here)."""
         return BackendChoice(self.name, f"requested; {st.reason}", st.module, self.name, st.version, st.distribution,
-                             True, named=True)
+                             True)
 
     def auto_choice(self, reason: str, inter: Optional[str], lk: Lookups, probe_torch: bool) -> BackendChoice:
         """The choice when the rule of ``backend="auto"`` picked this backend, for ``reason``."""
