@@ -17,6 +17,9 @@
 
 static int N, ITERS, FD;
 static char *BASE;
+/* every rank holds its liveness lock before any waits: a rank that waited on a peer whose thread
+ * had not started yet (a loaded machine) would find it "dead", as the engine's hand-over rules out */
+static pthread_barrier_t STARTED;
 static int64_t COUNTERS_AT = PAGE, RING_AT, SLOTS_AT, TOTAL;
 
 static void entry(entry_t *e, int kind, int dtype, int op, int root, int64_t numel, int64_t m) {
@@ -42,6 +45,7 @@ static void *rank_main(void *arg) {
         perror("liveness lock");
         exit(2);
     }
+    pthread_barrier_wait(&STARTED);
     state_t st = {0};
     ctx_t *c = calloc(1, sizeof *c);
     int pidfds[MAX_RANKS];
@@ -124,6 +128,7 @@ int main(int argc, char **argv) {
     BASE = mmap(0, TOTAL, PROT_READ | PROT_WRITE, MAP_SHARED, FD, 0);
     if (BASE == MAP_FAILED) return 2;
     pthread_t th[64];
+    if (pthread_barrier_init(&STARTED, 0, (unsigned)N)) return 2;
     for (int r = 0; r < N; r++) pthread_create(&th[r], 0, rank_main, (void *)(intptr_t)r);
     for (int r = 0; r < N; r++) pthread_join(th[r], 0);
     printf("ok: %d ranks, %d iterations\n", N, ITERS);
