@@ -29,7 +29,8 @@ from cpuddp.errors import BackendError
 
 from .failure import ccl_failure
 from .settings import ccl_env
-from .types import BackendChoice, BackendName, BackendSpec, BackendStatus, Lookups, _canon, _lookups, _torch_version, _truthy
+from .types import (BackendChoice, BackendName, BackendSpec, BackendStatus, Lookups, _canon, _lookups, _torch_version,
+                    _truthy)
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
@@ -248,7 +249,8 @@ class CclBackend(BackendSpec):
         st = self.status(_lookups())
         if not st.available:
             raise BackendError(f"the shm group's node-to-node leg is oneCCL, but {st.reason}",
-                               fix="use gloo between nodes (CPUDDP_SHM_INTER=gloo), or " + ccl_fix(_torch_version(_lookups())))
+                               fix="use gloo between nodes (CPUDDP_SHM_INTER=gloo), or "
+                                   + ccl_fix(_torch_version(_lookups())))
         self.load(BackendChoice(self.name, "the shm group's node-to-node leg", st.module, version=st.version,
                                 distribution=st.distribution, verified=True))
         plugin = dist.Backend._plugins.get(self.name.upper())

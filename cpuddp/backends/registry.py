@@ -267,7 +267,8 @@ def _auto_facts(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[in
         nccl = _status_of(BackendName.NCCL, lk) if probe_torch else None
         return AutoFacts(env.local_world_size, env.num_nodes, False, "", False, "", device,
                          bool(nccl and nccl.available),
-                         (nccl.reason if nccl else "nccl is not registered") if probe_torch else "not probed without torch")
+                         (nccl.reason if nccl else "nccl is not registered") if probe_torch
+                         else "not probed without torch")
     ccl = _status_of(BackendName.CCL, lk)
     shm = BACKENDS.get(BackendName.SHM)
     shm_st = shm.auto_status(env, lk, node_cpus, smallest_node) if shm is not None else None
