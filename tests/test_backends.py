@@ -841,3 +841,13 @@ def test_import_is_light():
     )
     proc = subprocess.run([sys.executable, "-c", code], env=_clean_env(), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_auto_with_gloo_unregistered_is_a_clear_error(registry):
+    """The rule falls back to gloo; where even gloo is gone from the registry, auto says so (it
+    raised KeyError once the rule's answer was looked up as an object)."""
+    from cpuddp.backends import unregister_backend
+
+    unregister_backend("gloo")
+    with pytest.raises(BackendError, match="backend='auto' found nothing to run: .*gloo: not registered"):
+        resolve_backend("auto", _env(world_size=1, local_world_size=1))

@@ -243,7 +243,11 @@ def _auto(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[int] = N
     """Gather the facts :func:`cpuddp.backends.auto.auto_rule` needs, ask it, and let the backend
     it picked make the choice."""
     d = auto_rule(_auto_facts(env, lk, device, node_cpus, probe_torch, smallest_node))
-    return BACKENDS[d.backend].auto_choice(d.reason, d.inter, lk, probe_torch)
+    spec = BACKENDS.get(d.backend)
+    if spec is None:  # the rule's fallback (gloo) was unregistered
+        raise BackendError(f"backend='auto' found nothing to run: {d.reason}; {d.backend}: not registered",
+                           fix="install a torch built with gloo (every PyPI build is), or name a backend")
+    return spec.auto_choice(d.reason, d.inter, lk, probe_torch)
 
 
 #: What ``backend=`` may ask for besides a backend's name: the rule's choice.
