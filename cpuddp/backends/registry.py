@@ -58,6 +58,7 @@ from .auto import AutoFacts, auto_rule
 from .ccl import CclBackend, ccl_status
 from .failure import explain_collective_failure
 from .shm import api as shm_api
+from .shm import check as shm_check
 from .shm.backend import ShmBackend
 from .torch_backends import GlooBackend, MpiBackend, NcclBackend, torch_probe
 from .types import (
@@ -290,12 +291,6 @@ def _status_of(name: str, lk: Lookups) -> Optional[BackendStatus]:
 # --------------------------------------------------------------------------- the built-in backends
 
 
-def _shm_probe(lk: Lookups) -> Any:
-    from cpuddp.backends.shm.check import probe
-
-    return probe(lk)
-
-
 _add(CclBackend(BackendName.CCL, devices=("cpu", "xpu"), distribution="oneccl_bind_pt", probe=ccl_status,
                 description="Intel oneCCL through its PyTorch bindings (oneccl_bind_pt)"))
 _add(GlooBackend(BackendName.GLOO, devices=("cpu", "cuda"),
@@ -308,7 +303,7 @@ _add(MpiBackend(BackendName.MPI, devices=("cpu", "cuda"),
 _add(NcclBackend(BackendName.NCCL, devices=("cuda",), description="NVIDIA NCCL, for models on CUDA"))
 register_backend(BackendName.ACCL, module="torch_accl", devices=("cuda",), distribution="torch_accl",
                  description="Alibaba ACCL plug-in (import torch_accl, backend 'accl')")
-_add(ShmBackend(BackendName.SHM, module="cpuddp.shm", devices=("cpu",), probe=_shm_probe, leave=shm_api.leave_all,
+_add(ShmBackend(BackendName.SHM, module="cpuddp.shm", devices=("cpu",), probe=shm_check.probe, leave=shm_api.leave_all,
                 abort=shm_api.abort_all,
                 description="cpuddp's shared-memory collectives within a node, gloo or oneCCL between nodes "
                             "(cpuddp.shm)"))
