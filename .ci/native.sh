@@ -9,8 +9,11 @@
 #    (CPUDDP_SHM_NATIVE=1), for the native tests and the engine's fault and agreement tests;
 # 3. tests/native/threads.c -- ranks as threads over one segment, every collective -- under
 #    ThreadSanitizer;
-# 4. engine.c and threads.c built for aarch64 (Debian's cross compiler): the native path must
-#    build there (its multi-process run on such a CPU is unverified: none is at hand);
+# 4. engine.c, threads.c and kernels.c built for aarch64 (Debian's cross compiler) and the last
+#    two run under qemu-aarch64 (Debian's qemu-user): the protocol with ranks as threads, and the
+#    scalar kernels' digests, which must equal x86-64's line for line (those are checked against
+#    torch's bits by the suite); a multi-process run on a real aarch64 CPU is unverified: none is
+#    at hand, and qemu runs the threads with x86's stronger memory ordering;
 # then the library is built again as pip builds it (also when a step fails).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,14 +40,23 @@ cc -fsanitize=thread -O1 -g -pthread -std=c11 -ffp-contract=off -I cpuddp/backen
   tests/native/threads.c -o "$CI_WORK/threads-tsan"
 TSAN_OPTIONS="halt_on_error=1 exitcode=66" "$CI_WORK/threads-tsan" 4 300
 
-step "aarch64: the library and the threaded test build with the cross compiler"
-if ! command -v aarch64-linux-gnu-gcc > /dev/null; then
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu > "$CI_WORK/aarch64-install.log" 2>&1 \
-    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu \
+step "aarch64: the library, the threaded test and the kernels' digests build with the cross compiler"
+if ! command -v aarch64-linux-gnu-gcc > /dev/null || ! command -v qemu-aarch64 > /dev/null; then
+  AARCH64_PKGS=(gcc-aarch64-linux-gnu qemu-user)
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${AARCH64_PKGS[@]}" > "$CI_WORK/aarch64-install.log" 2>&1 \
+    || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${AARCH64_PKGS[@]}" \
          > "$CI_WORK/aarch64-install.log" 2>&1; } || { cat "$CI_WORK/aarch64-install.log"; exit 1; }
 fi
 CC=aarch64-linux-gnu-gcc python -m cpuddp.backends.shm.native.build "$CI_WORK/libcpuddp_shm-aarch64.so"
 file "$CI_WORK/libcpuddp_shm-aarch64.so" 2>/dev/null || true
-aarch64-linux-gnu-gcc -O2 -std=c11 -pthread -I cpuddp/backends/shm/native tests/native/threads.c \
-  -o "$CI_WORK/threads-aarch64"
+A64=(aarch64-linux-gnu-gcc -O2 -std=c11 -pthread -ffp-contract=off -static -I cpuddp/backends/shm/native)
+"${A64[@]}" tests/native/threads.c -o "$CI_WORK/threads-aarch64"
+"${A64[@]}" tests/native/kernels.c -o "$CI_WORK/kernels-aarch64"
+step "aarch64 under qemu: the protocol (4 ranks as threads), the scalar kernels' digests against x86-64's"
+qemu-aarch64 "$CI_WORK/threads-aarch64" 4 100
+cc -O2 -std=c11 -pthread -ffp-contract=off -I cpuddp/backends/shm/native tests/native/kernels.c -o "$CI_WORK/kernels-x86"
+"$CI_WORK/kernels-x86" > "$CI_WORK/kernels-x86.txt"  # also: every vector width here = the scalar code
+"$CI_WORK/kernels-x86" scalar > "$CI_WORK/kernels-x86-scalar.txt"
+qemu-aarch64 "$CI_WORK/kernels-aarch64" scalar > "$CI_WORK/kernels-aarch64.txt"
+diff "$CI_WORK/kernels-x86-scalar.txt" "$CI_WORK/kernels-aarch64.txt"
 step "done"
