@@ -1,8 +1,8 @@
 /* The shm engine's protocol with ranks as threads, for ThreadSanitizer (tests/test_shm_native.py,
  * .ci/native.sh): one segment laid out as cpuddp/backends/shm/check.py lays it out, N threads each
  * with its own context and liveness lock, ITERS rounds of every collective engine.c runs, each
- * result checked.  Built together with engine.c (included), so the sanitizer sees its every
- * access:  cc -fsanitize=thread -O1 -g -pthread -I cpuddp/backends/shm/native threads.c
+ * result checked, then all_reduces queued on each rank's progress thread, and the thread
+ * stopped.  Built together with engine.c (included), so the sanitizer sees its every access:  cc -fsanitize=thread -O1 -g -pthread -I cpuddp/backends/shm/native threads.c
  * Usage: threads RANKS ITERS; prints "ok" and exits 0, or names the first wrong value. */
 
 #include "engine.c"
@@ -108,7 +108,37 @@ static void *rank_main(void *arg) {
         entry(&e, K_BARRIER, -1, 0, 0, 0, 0);
         if (run(c, &e, 0, 0)) goto failed;
     }
-    free(f), free(ints), free(gathered), free(c);
+    /* the progress thread: QUEUED all_reduces submitted at once, their results taken in order,
+     * then the thread stopped (its queue, the submit/stop lock and the result hand-over) */
+    enum { QUEUED = 8, LEN = 3000 };
+    float *bufs = malloc(sizeof(float) * QUEUED * LEN);
+    int64_t err[3];
+    if (cpuddp_shm_start(c)) goto failed;
+    for (int it = 0; it < ITERS / 10 + 1; it++) {
+        entry(&e, K_ALL_REDUCE, DT_F32, OPC_SUM, 0, LEN, LEN);
+        int64_t first = -1;
+        for (int q = 0; q < QUEUED; q++) {
+            for (int j = 0; j < LEN; j++) bufs[q * LEN + j] = (float)(me + q + j % 3);
+            int64_t t = cpuddp_shm_submit(c, &e, bufs + q * LEN, 0);
+            if (t < 0) goto failed;
+            if (first < 0) first = t;
+        }
+        for (int q = 0; q < QUEUED; q++) {
+            int rc;
+            while ((rc = cpuddp_shm_wait(c, first + q, 50000000, err)) == RC_AGAIN) {}
+            if (rc) goto failed;
+            for (int j = 0; j < LEN; j++) {
+                float want = 0;
+                for (int r = 0; r < N; r++) want += (float)(r + q + j % 3);
+                if (bufs[q * LEN + j] != want) {
+                    fprintf(stderr, "rank %d: queued all_reduce %d [%d] = %g, want %g\n", me, q, j, bufs[q * LEN + j], want);
+                    exit(1);
+                }
+            }
+        }
+    }
+    cpuddp_shm_stop(c);
+    free(bufs), free(f), free(ints), free(gathered), free(c);
     return 0;
 failed:
     fprintf(stderr, "rank %d: a call failed (peer %lld, where %lld, value %lld)\n", me, (long long)st.err_peer,

@@ -190,6 +190,8 @@ typedef struct {
 /* the progress thread's queue: tickets count up; job t lives in jobs[t % QUEUE] */
 typedef struct {
     pthread_t thread;
+    pthread_mutex_t lock; /* a submit's check of `closing` and its publish of `tail` are one step
+                           * for cpuddp_shm_stop: every call queued is run or given RC_CLOSED */
     int started;
     int32_t closing;
     int64_t head;  /* the next ticket the thread runs */
@@ -653,6 +655,7 @@ int cpuddp_shm_init(ctx_t *c, state_t *st, void *base, int64_t counters_at, int6
     c->timeout_ns = timeout_ns;
     for (int r = 0; r < n; r++) c->pidfd[r] = pidfds ? pidfds[r] : -1;
     c->op.step = -1;
+    if (pthread_mutex_init(&c->q.lock, NULL)) return RC_ARG;
     return RC_OK;
 }
 
@@ -685,6 +688,8 @@ static int prepare(ctx_t *c, const entry_t *en, void *a, void *b, int64_t slice_
     }
     if (p->kind == K_ALL_GATHER && p->numel && (char *)a + (int64_t)c->me * p->numel != (char *)b)
         memcpy((char *)a + (int64_t)c->me * p->numel, b, (size_t)p->numel); /* this rank's own row */
+    if (p->kind == K_REDUCE_SCATTER && c->n == 1 && p->m && a != b)
+        memmove(a, b, (size_t)(p->m * p->esize)); /* one rank: no round runs, its part is its input */
     p->step = S_POST;
     return RC_OK;
 }
@@ -731,7 +736,11 @@ static void *progress(void *arg) {
         uint32_t rung = __atomic_load_n(&q->bell, __ATOMIC_ACQUIRE);
         int64_t t = __atomic_load_n(&q->head, __ATOMIC_ACQUIRE);
         if (t == __atomic_load_n(&q->tail, __ATOMIC_ACQUIRE)) {
-            if (__atomic_load_n(&q->closing, __ATOMIC_ACQUIRE)) return 0;
+            /* closing seen: every submit before it is visible (the lock orders them), so look again */
+            if (__atomic_load_n(&q->closing, __ATOMIC_ACQUIRE)) {
+                if (t == __atomic_load_n(&q->tail, __ATOMIC_ACQUIRE)) return 0;
+                continue;
+            }
             int64_t start = now_ns(); /* spin briefly (a call right behind the last), then sleep */
             while (c->spin && now_ns() - start < 20000 && t == __atomic_load_n(&q->tail, __ATOMIC_ACQUIRE))
                 cpu_relax();
@@ -766,9 +775,17 @@ int cpuddp_shm_start(ctx_t *c) {
 /* queue one call; its ticket (>= 0), or -RC_BUSY when the queue is full, -RC_CLOSED after stop */
 int64_t cpuddp_shm_submit(ctx_t *c, const entry_t *en, void *a, void *b) {
     queue_t *q = &c->q;
-    if (!q->started || __atomic_load_n(&q->closing, __ATOMIC_ACQUIRE)) return -RC_CLOSED;
+    if (!q->started) return -RC_CLOSED;
+    pthread_mutex_lock(&q->lock);
+    if (__atomic_load_n(&q->closing, __ATOMIC_ACQUIRE)) {
+        pthread_mutex_unlock(&q->lock);
+        return -RC_CLOSED;
+    }
     int64_t t = q->tail;
-    if (t - __atomic_load_n(&q->taken, __ATOMIC_ACQUIRE) >= QUEUE) return -RC_BUSY;
+    if (t - __atomic_load_n(&q->taken, __ATOMIC_ACQUIRE) >= QUEUE) {
+        pthread_mutex_unlock(&q->lock);
+        return -RC_BUSY;
+    }
     job_t *j = &q->jobs[t % QUEUE];
     j->en = *en;
     j->a = a, j->b = b;
@@ -776,6 +793,7 @@ int64_t cpuddp_shm_submit(ctx_t *c, const entry_t *en, void *a, void *b) {
     j->rc = 0;
     __atomic_store_n(&j->done, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&q->tail, t + 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&q->lock);
     __atomic_fetch_add(&q->bell, 1, __ATOMIC_RELEASE);
     futex_wake(&q->bell);
     return t;
@@ -810,7 +828,9 @@ int64_t cpuddp_shm_pending(ctx_t *c) {
 void cpuddp_shm_stop(ctx_t *c) {
     queue_t *q = &c->q;
     if (!q->started) return;
+    pthread_mutex_lock(&q->lock);
     __atomic_store_n(&q->closing, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&q->lock);
     __atomic_fetch_add(&q->bell, 1, __ATOMIC_RELEASE);
     futex_wake(&q->bell);
     pthread_join(q->thread, NULL);
