@@ -58,14 +58,30 @@ class Call:
         return (self.kind, self.op, self.dtype, self.numel, self.root, self.tensors, self.sizes)
 
 
+#: the codes of dtypes ``_DTYPES`` lacks start here: each its own, from its name (under 2**16:
+#: a sparse tensor's descriptor packs its indices' dtype code into 16 bits)
+_OTHER = 1000
+_OTHER_SPAN = 60000
+
+
 def dtype_code(dtype: Any) -> int:
+    """A dtype's code in a descriptor: its place in ``_DTYPES``, else one made from its name
+    (the same in every process; two dtypes of different names get different codes -- tested
+    over every dtype torch has -- so a call's dtype always takes part in the comparison)."""
     name = str(dtype).rsplit(".", 1)[-1]
-    return _DTYPES.index(name) if name in _DTYPES else 99
+    if name in _DTYPES:
+        return _DTYPES.index(name)
+    return _OTHER + zlib.crc32(name.encode()) % _OTHER_SPAN
 
 
 def dtype_name(code: int) -> str:
     """The dtype a descriptor's code stands for (as text)."""
-    return _DTYPES[code] if 0 <= code < len(_DTYPES) else f"dtype {code}"
+    if 0 <= code < len(_DTYPES):
+        return _DTYPES[code]
+    import torch
+
+    names = [str(d).rsplit(".", 1)[-1] for d in vars(torch).values() if isinstance(d, torch.dtype)]
+    return next((n for n in names if n not in _DTYPES and dtype_code(n) == code), f"dtype {code}")
 
 
 class Pinned(list):
@@ -128,7 +144,7 @@ def describe(call: Sequence[int]) -> str:
     if kind in READERS:
         return f"{_KIND_NAMES[kind]}({', '.join(parts + READERS[kind](call[:WORDS]))})"
     if dtype != ANY:
-        parts.append(_DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else f"dtype {dtype}")
+        parts.append(dtype_name(dtype))
     if numel != ANY:
         parts.append(f"{numel} element{'s' if numel != 1 else ''}"
                      + (f" in {tensors} tensors" if tensors not in (ANY, 1) else ""))

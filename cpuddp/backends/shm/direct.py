@@ -51,7 +51,9 @@ class Direct:
         self._barrier = encode("barrier", [])
         self._barrier_entry = engine.barrier(self._barrier)[0]
         self._work = ShmWork.done(None)
-        self._free = sys.getrefcount(self._work)  # nobody but this object holds it
+        # what sys.getrefcount says of it while nobody but this object holds it, read with the
+        # expression _finished reads it with (Python 3.14 borrows a local's reference for a call)
+        self._free = sys.getrefcount(self._work)
 
     def _entry(self, t: torch.Tensor, code: int) -> Optional[Tuple[Any, Any]]:
         """``(call, the library's entry)`` for an all_reduce of ``t``'s dtype and size with
@@ -62,11 +64,11 @@ class Direct:
         return call, self.engine.all_reduce(call, t, code)[0]
 
     def _finished(self, result: Any) -> ShmWork:
-        work = self._work
-        if sys.getrefcount(work) > self._free + 1:  # someone kept the last one: leave it as it is
+        if sys.getrefcount(self._work) > self._free:  # someone kept the last one: leave it as it is
             work = self._work = ShmWork.done(result)
-        else:  # its future (if one was asked for) holds the last call's result: the next one makes its own
-            work._result, work._fut = result, None
+            return work
+        work = self._work  # its future (if one was asked for) held the last call's result: this one makes its own
+        work._result, work._fut = result, None
         return work
 
     def all_reduce(self, tensors: Any, opts: Any) -> Optional[ShmWork]:

@@ -275,15 +275,17 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             return False
         return bool(progress.pending()) or sum(t.numel() * t.element_size() for t in tensors) >= ASYNC_FROM
 
-    def _submit_native(self, kind: str, agreed: Sequence[torch.Tensor], job: Callable[[Any], Any], result: Any,
-                       after: Optional[Callable[[], None]], *, op: Any = None, root: Optional[int] = None) -> Any:
-        """Queue one native call on the progress thread: an unfinished Work at once (its
-        tensors held until it completes; ``after`` runs once the data is there)."""
+    def _submit_native(self, kind: str, agreed: Sequence[torch.Tensor], job: Callable[[Any], Any], result: Any, *,
+                       keep: Sequence[torch.Tensor] = (), op: Any = None, root: Optional[int] = None) -> Any:
+        """Queue one native call on the progress thread: an unfinished Work at once.  Held until
+        it completes: ``agreed``, ``result`` and ``keep`` -- every tensor ``job`` hands the
+        library an address of (an input that is neither, such as reduce_scatter's, goes in
+        ``keep``: freed while queued, the thread would read unmapped memory)."""
         self._usable()
         self._life.check_not_broken()
         call = encode(kind, agreed, op=None if op is None else int(op), root=root)
         with self._stream.exec_lock:
-            return self._progress.submit(call, job(call), result, (agreed, result), after)  # type: ignore[union-attr]
+            return self._progress.submit(call, job(call), result, (agreed, result, keep))  # type: ignore[union-attr]
 
     def _on_error(self, exc: BaseException) -> None:
         if self._eng is not None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import os
 import selectors
 import socket
 import struct

@@ -9,9 +9,12 @@ call's job -- its prepared entry and its tensors' addresses -- and returns an un
 on while the data moves.  The submitted tensors (and the call's result) are held here until
 the call completes: nothing a queued call reads or writes is freed under it.  One Python thread
 (``cpuddp-shm-wait-<rank>``) waits for each call in turn inside ``cpuddp_shm_wait`` (ctypes
-releases the GIL; it wakes every 0.1 s to see whether the group closed), then runs the call's
-``after`` (AVG's division) and completes its future -- or sets the error the inline call would
-raise, and breaks the group.  The thread spins briefly for the next call, then sleeps on a
+releases the GIL; it wakes every 0.1 s to see whether the group closed), then completes its
+future -- or sets the error the inline call would raise, and breaks the group.  Nothing runs on
+a queued call's data after the library is done with it (an AVG, which divides afterwards, is
+never queued: the next queued call could read the tensor before the division).  The future's
+callbacks run in the waiter; one that issues a collective while calls are queued waits for them
+inside the library (``drain``), not for futures only the waiter itself could complete.  The thread spins briefly for the next call, then sleeps on a
 futex; it shares the rank's CPUs (the work is memory-bound).  A forked child inherits no thread
 and may not use the group (the group refuses it), nor stop it.  At exit every running thread is
 stopped (after up to 2 s for its queued calls), also for a group nobody destroyed.
@@ -28,7 +31,7 @@ import ctypes
 import os
 import threading
 import weakref
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Sequence, Tuple
 
 import torch
 
@@ -51,14 +54,16 @@ def _stop_all() -> None:
 
 
 class _Job:
-    __slots__ = ("call", "fut", "result", "keep", "after")
+    __slots__ = ("call", "fut", "result", "keep")
 
-    def __init__(self, call: Any, fut: Any, result: Any, keep: Sequence[Any], after: Optional[Callable[[], None]]):
-        self.call, self.fut, self.result, self.keep, self.after = call, fut, result, keep, after
+    def __init__(self, call: Any, fut: Any, result: Any, keep: Sequence[Any]):
+        self.call, self.fut, self.result, self.keep = call, fut, result, keep
 
 
 class Progress:
     """One native group's progress thread and waiter (see the module docstring)."""
+
+    _QUEUE = 64  # engine.c's QUEUE: calls in flight
 
     def __init__(self, engine: Any, on_error: Callable[[BaseException], None], rank: int) -> None:
         self.engine, self.on_error = engine, on_error
@@ -78,8 +83,7 @@ class Progress:
         """Calls queued and not completed (their futures not yet set)."""
         return len(self._jobs)
 
-    def submit(self, call: Any, job: Tuple[Any, Any, Any], result: Any, keep: Sequence[Any],
-               after: Optional[Callable[[], None]] = None) -> Any:
+    def submit(self, call: Any, job: Tuple[Any, Any, Any], result: Any, keep: Sequence[Any]) -> Any:
         """Queue ``job`` (a :class:`~cpuddp.backends.shm.native.Engine` collective's); an
         unfinished Work at once.  ``keep``: what must stay alive until the call completes."""
         from .stream import ShmWork
@@ -91,11 +95,16 @@ class Progress:
                 break
             if ticket != -RC_BUSY:
                 raise torch.distributed.DistBackendError("shm: the group's progress thread is shut down")
+            if threading.current_thread() is self._waiter:  # only this thread makes room: never wait for it
+                raise torch.distributed.DistBackendError(
+                    f"shm: a collective issued from a Work's callback while {self._QUEUE} calls are queued "
+                    "(the callback runs in the thread that completes them, so it cannot wait for room); "
+                    "issue it after waiting for the Work instead")
             oldest = self._oldest()  # 64 calls in flight: the oldest's result makes room
             if oldest is not None:
                 oldest.wait()
         with self._cv:
-            self._jobs[ticket] = _Job(call, fut, result, keep, after)
+            self._jobs[ticket] = _Job(call, fut, result, keep)
             self._cv.notify_all()
         return ShmWork(fut)
 
@@ -105,7 +114,14 @@ class Progress:
             return self._jobs[min(self._jobs)].fut if self._jobs else None
 
     def drain(self) -> None:
-        """Wait until every queued call completed (its error, if any, is its Work's and the group's)."""
+        """Wait until every queued call completed (its error, if any, is its Work's and the group's).
+        In the waiter (a future's callback issuing a collective): until the library ran them all."""
+        if threading.current_thread() is self._waiter:
+            import time
+
+            while self._pending(self.engine.ctx) > 0:
+                time.sleep(0.0001)
+            return
         while True:
             fut = self._oldest()
             if fut is None:
@@ -136,12 +152,6 @@ class Progress:
 
     def _finish(self, job: _Job, rc: int, err: Any) -> None:
         if rc == RC_OK:
-            try:
-                if job.after is not None:
-                    job.after()
-            except BaseException as exc:  # noqa: BLE001 - reaches the caller's wait()
-                job.fut.set_exception(exc)
-                return
             job.fut.set_result(job.result)
             return
         exc = self.engine.error(rc, job.call, int(err[0]), int(err[1]), int(err[2]))

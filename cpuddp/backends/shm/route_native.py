@@ -18,7 +18,8 @@ class NativeRoute(NodeRoute):
     """A one-level, single-node group with the native data path ``nat``
     (:class:`~cpuddp.backends.shm.native.Engine`): all_reduce, reduce, broadcast,
     all_gather_single, reduce_scatter_single and barrier are one native call each (queued on the
-    progress thread where one runs and the call is big or others wait); what the library does
+    progress thread where one runs and the call is big or others wait -- not an AVG, whose
+    division must be done before the next call may touch the tensor); what the library does
     not reduce (dtype, op) and the other collectives run on the Python engine, as on
     :class:`NodeRoute`.  Its :class:`~cpuddp.backends.shm.direct.Direct` (``group._direct``) is
     asked before this route, by torch's method itself."""
@@ -37,9 +38,8 @@ class NativeRoute(NodeRoute):
         if not nat.reduces(code, t.dtype):
             return self._all_reduce_python(tensors, t, code, fn)
         g, size = self.g, self.size
-        if g._queues([t]):
-            return g._submit_native("all_reduce", [t], lambda call: nat.all_reduce(call, t, code), tensors,
-                                    (lambda: t.div_(size)) if code == AVG else None, op=code)
+        if code != AVG and g._queues([t]):
+            return g._submit_native("all_reduce", [t], lambda call: nat.all_reduce(call, t, code), tensors, op=code)
 
         def native(call: Any) -> None:
             with staged(t, out=True) as flat:
@@ -75,7 +75,7 @@ class NativeRoute(NodeRoute):
         nat, local = self.nat, g._local(root)
         if g._queues([t]):
             return g._submit_native("broadcast", [t], lambda call: nat.broadcast(call, flat_bytes(t), local),
-                                    tensors, None, root=root)
+                                    tensors, root=root)
 
         def native(call: Any) -> None:
             with staged(t, out=self.rank != root) as flat:
@@ -89,7 +89,7 @@ class NativeRoute(NodeRoute):
         if g._queues([output, inp]) and not call_args.overlaps_elsewhere(output, inp, self.rank):
             return g._submit_native("all_gather_single", [inp],
                                     lambda call: nat.all_gather(call, flat_bytes(output), flat_bytes(inp)), output,
-                                    None)
+                                    keep=(inp,))
         return g._run_native("all_gather_single", [inp], lambda call: self._native_gather(call, output, inp), output)
 
     def _native_gather(self, call: Any, output: torch.Tensor, inp: torch.Tensor) -> None:
@@ -107,11 +107,10 @@ class NativeRoute(NodeRoute):
         g, nat = self.g, self.nat
         if not nat.reduces(code, output.dtype):
             return self._reduce_scatter_single_python(output, inp, code, fn)
-        if g._queues([output, inp]) and not call_args.overlaps(output, inp):
-            size = self.size
+        if code != AVG and g._queues([output, inp]) and not call_args.overlaps(output, inp):
             return g._submit_native("reduce_scatter_single", [output],
                                     lambda call: nat.reduce_scatter(call, output, inp, code), output,
-                                    (lambda: output.div_(size)) if code == AVG else None, op=code)
+                                    keep=(inp,), op=code)
         return g._run_native("reduce_scatter_single", [output],
                              lambda call: self._native_scatter(call, output, inp, code), output, op=code)
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 import ctypes
 import os
 import stat
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Tuple
 
 
 __all__ = ["Counters", "VAR", "ISA_VAR", "ISAS", "setting", "isa_setting", "load", "status", "form", "Engine",
@@ -324,12 +324,15 @@ class Engine:
 
     def entry(self, call: Any, kind: int, dtype: int, op: int, root: int, numel: int, m: int) -> Any:
         """The library's prepared form of ``call`` (engine.c's ``entry_t``), made once per call
-        shape: its descriptor, collective, dtype code (-1: bytes), op, local root and sizes."""
-        e = self._entries.get(call)
+        shape: its descriptor, collective, dtype code (-1: bytes), op, local root and sizes.
+        Remembered by all of them, not by the descriptor alone: the sizes are the ones the
+        library copies, and two calls may agree on a descriptor yet move different byte counts."""
+        key = (call, kind, dtype, op, root, numel, m)
+        e = self._entries.get(key)
         if e is None:
             if len(self._entries) >= 4096:
                 self._entries.clear()
-            e = self._entries[call] = (ctypes.c_int64 * 13)(*call.words(), kind, dtype, op, root, numel, m)
+            e = self._entries[key] = (ctypes.c_int64 * 13)(*call.words(), kind, dtype, op, root, numel, m)
         return e
 
     def all_reduce(self, call: Any, flat: Any, code: Any) -> Tuple[Any, int, Optional[int]]:
