@@ -2,7 +2,8 @@
  * .ci/native.sh): one segment laid out as cpuddp/backends/shm/check.py lays it out, N threads each
  * with its own context and liveness lock, ITERS rounds of every collective engine.c runs, each
  * result checked, then all_reduces queued on each rank's progress thread, and the thread
- * stopped.  Built together with engine.c (included), so the sanitizer sees its every access:  cc -fsanitize=thread -O1 -g -pthread -I cpuddp/backends/shm/native threads.c
+ * stopped.  Built together with engine.c (included), so the sanitizer sees its every access:
+ *   cc -fsanitize=thread -O1 -g -pthread -I cpuddp/backends/shm/native threads.c
  * Usage: threads RANKS ITERS; prints "ok" and exits 0, or names the first wrong value. */
 
 #include "engine.c"
