@@ -282,6 +282,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     env = cpuddp.init_distributed(pin=not args.no_pin)
     backend = cpuddp.get_session().backend
+    # the shm engine's data path, native or Python (and why): part of the job's header line
+    data_path = getattr(torch.distributed.group.WORLD, "data_path", "") if backend == "shm" else ""
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.seq_len > SIZES[args.size]["max_positions"]:
@@ -297,7 +299,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     nparams = sum(p.numel() for p in cpuddp.unwrap(model).parameters())
     cpuddp.print0(f"{model_name}: {nparams / 1e6:.2f} M parameters | {len(train)} training pairs, "
                   f"{args.steps} steps x {per_step} | {env.world_size} rank(s) x {torch.get_num_threads()} thread(s), "
-                  f"launcher {env.launcher}, backend {backend} | precision {precision}"
+                  f"launcher {env.launcher}, backend {backend}" + (f" ({data_path})" if data_path else "")
+                  + f" | precision {precision}"
                   + (", fused AdamW" if info.fused_optimizer else ""))
 
     start, first_loss = resume(args, model, optimizer, scheduler, loader)
