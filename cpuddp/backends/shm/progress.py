@@ -63,8 +63,6 @@ class _Job:
 class Progress:
     """One native group's progress thread and waiter (see the module docstring)."""
 
-    _QUEUE = 64  # engine.c's QUEUE: calls in flight
-
     def __init__(self, engine: Any, on_error: Callable[[BaseException], None], rank: int) -> None:
         self.engine, self.on_error = engine, on_error
         lib = engine.lib
@@ -97,8 +95,8 @@ class Progress:
                 raise torch.distributed.DistBackendError("shm: the group's progress thread is shut down")
             if threading.current_thread() is self._waiter:  # only this thread makes room: never wait for it
                 raise torch.distributed.DistBackendError(
-                    f"shm: a collective issued from a Work's callback while {self._QUEUE} calls are queued "
-                    "(the callback runs in the thread that completes them, so it cannot wait for room); "
+                    "shm: a collective issued from a Work's callback while the progress queue is full "
+                    "(the callback runs in the thread that completes the queued calls, so it cannot wait for room); "
                     "issue it after waiting for the Work instead")
             oldest = self._oldest()  # 64 calls in flight: the oldest's result makes room
             if oldest is not None:
