@@ -14,8 +14,9 @@ future -- or sets the error the inline call would raise, and breaks the group.  
 a queued call's data after the library is done with it (an AVG, which divides afterwards, is
 never queued: the next queued call could read the tensor before the division).  The future's
 callbacks run in the waiter; one that issues a collective while calls are queued waits for them
-inside the library (``drain``), not for futures only the waiter itself could complete.  The thread spins briefly for the next call, then sleeps on a
-futex; it shares the rank's CPUs (the work is memory-bound).  A forked child inherits no thread
+inside the library (``drain``), not for futures only the waiter itself could complete.  The
+thread spins briefly for the next call, then sleeps on a futex; it shares the rank's CPUs (the
+work is memory-bound).  A forked child inherits no thread
 and may not use the group (the group refuses it), nor stop it.  At exit every running thread is
 stopped (after up to 2 s for its queued calls), also for a group nobody destroyed.
 
