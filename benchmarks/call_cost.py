@@ -76,8 +76,11 @@ def _phases(numel: int, calls: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    from cpuddp.backends.shm import calls as shm_calls
-    from cpuddp.backends.shm import channel, group, local, route_node
+    from cpuddp.backends.shm.group import calls as shm_calls
+    from cpuddp.backends.shm.protocol import channel
+    from cpuddp.backends.shm.group import process_group as group
+    from cpuddp.backends.shm.python import local
+    from cpuddp.backends.shm.routes import route_node
 
     acc: dict = {}
     clock = time.perf_counter

@@ -4,7 +4,7 @@
 
 Rank 1 sleeps ``--late`` seconds before an all_reduce; rank 0 enters it at once and reports the
 wait's wall time, its CPU time (user + system, ``getrusage``) and its voluntary context
-switches -- the cost of the shm wait policy (cpuddp/backends/shm/wait.py) for a long wait.
+switches -- the cost of the shm wait policy (cpuddp/backends/shm/protocol/wait.py) for a long wait.
 """
 
 from __future__ import annotations

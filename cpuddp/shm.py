@@ -12,10 +12,10 @@ Use::
 Importing this module imports torch and registers the backend with
 ``torch.distributed.Backend`` (idempotent); ``import cpuddp`` alone does not.  The group itself
 and how it works are in :mod:`cpuddp.backends.shm` (docstring of
-:mod:`cpuddp.backends.shm.group`).
+:mod:`cpuddp.backends.shm.group.process_group`).
 """
 
 from .backends.shm.api import INTER_VAR, ShmOptions
-from .backends.shm.group import NAME, ShmProcessGroup, eligibility, register
+from .backends.shm.group.process_group import NAME, ShmProcessGroup, eligibility, register
 
 __all__ = ["NAME", "ShmProcessGroup", "ShmOptions", "register", "eligibility", "INTER_VAR"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cpuddp.backends.shm import check as shm_check
+from cpuddp.backends.shm.protocol import check as shm_check
 from cpuddp.backends.auto import RULE, AutoFacts, auto_rule
 from cpuddp.backends.shm.backend import shm_options
 from cpuddp.backends.settings import backend_env
@@ -177,7 +177,7 @@ def test_auto_reaches_one_answer_on_every_node_of_an_uneven_job():
 
 def test_a_oneccl_leg_loads_the_bindings_as_backend_ccl_does(monkeypatch):
     """The node-to-node leg is formed by the ccl backend's object: bindings that do not match
-    torch are refused with the reason (shm/cross.py imported oneccl_bindings_for_pytorch itself,
+    torch are refused with the reason (shm/cross/hierarchy.py imported oneccl_bindings_for_pytorch itself,
     skipping the version check -- a mismatched wheel can abort the interpreter -- and the old
     torch_ccl module name)."""
     import dataclasses
@@ -185,7 +185,7 @@ def test_a_oneccl_leg_loads_the_bindings_as_backend_ccl_does(monkeypatch):
     import sys
     from types import SimpleNamespace
 
-    from cpuddp.backends.shm.cross import cross_group
+    from cpuddp.backends.shm.cross.hierarchy import cross_group
     from cpuddp.backends.types import BACKENDS
     from cpuddp.errors import BackendError
 

@@ -81,7 +81,7 @@ def test_ranks_that_disagree_stop_before_anything_is_carried_out(monkeypatch):
 
 def test_shm_options_carry_the_pinning_plans_cpus(monkeypatch):
     """The rank's compute CPUs reach the shm group: its slots are allocated, and the rank planned,
-    on their NUMA node (cpuddp.backends.shm.levels)."""
+    on their NUMA node (cpuddp.backends.shm.python.levels)."""
     _shm_everywhere(monkeypatch, {})
     store = dist.HashStore()
     for r in (1, 2, 3):

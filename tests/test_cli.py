@@ -20,7 +20,7 @@ import pytest
 
 from cpuddp.bench import sweep as bench_sweep
 from cpuddp.bench import launch as bench_launch
-from cpuddp.backends.shm import check as shm_check
+from cpuddp.backends.shm.protocol import check as shm_check
 
 
 REPO = Path(__file__).resolve().parents[1]

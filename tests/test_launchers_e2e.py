@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cpuddp.backends.shm import check as shm_check
+from cpuddp.backends.shm.protocol import check as shm_check
 from launchers_util import run
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "allreduce_demo.py")

@@ -18,7 +18,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "cpuddp"
 
 #: Bottom first.  A module's area is the first name of its path under cpuddp/ (``backends``
-#: for ``cpuddp/backends/shm/group.py``, ``distributed`` for ``cpuddp/distributed.py``); the
+#: for ``cpuddp/backends/shm/group/process_group.py``, ``distributed`` for ``cpuddp/distributed.py``); the
 #: package's own ``__init__`` is "public names", the top.
 LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
     {"base": ("errors", "_units", "_compat", "_package")},
@@ -39,6 +39,11 @@ LAYERS: tuple[dict[str, tuple[str, ...]], ...] = (
 #: train's subpackages, bottom first: each imports only those below it; the modules at train's top
 #: (prepare, loop, grads, progress) import any.
 TRAIN_LAYERS = ("common", "precision", "sharding", "strategies", "checkpoint")
+
+#: The shm backend's rooms, bottom first: each imports only those below it (and shm's doors,
+#: ``api`` and ``backend``, modules of its parent); the doors import any room.
+SHM = "cpuddp.backends.shm"
+SHM_LAYERS = ("native", "protocol", "python", "routes", "cross", "group")
 
 
 def _module_files() -> dict[str, Path]:
@@ -157,6 +162,19 @@ def test_the_checks_can_fail(monkeypatch):
     assert _train_upward(MODULES) == ["cpuddp.train.common.rank0 imports cpuddp.train.checkpoint.save.save_checkpoint"]
 
 
+def test_the_shm_rooms_check_can_fail(monkeypatch):
+    real = _imports
+
+    def fake(name: str) -> Iterator[tuple[str, str]]:
+        yield from real(name)
+        if name == "cpuddp.backends.shm.protocol.segment":
+            yield "cpuddp.backends.shm.routes.stream", "ShmWork"
+
+    monkeypatch.setattr(f"{__name__}._imports", fake)
+    assert _shm_upward(MODULES) == ["cpuddp.backends.shm.protocol.segment imports "
+                                    "cpuddp.backends.shm.routes.stream.ShmWork"]
+
+
 # --------------------------------------------------------------------------- the subpackages say so
 
 SUBPACKAGES = sorted(m for m, p in MODULES.items() if p.name == "__init__.py" and m != "cpuddp")
@@ -177,19 +195,49 @@ def _train_level(module: str) -> int:
     return TRAIN_LAYERS.index(sub) if sub in TRAIN_LAYERS else len(TRAIN_LAYERS)
 
 
+def _shm_level(module: str) -> int:
+    """The layer of a module of the shm backend among :data:`SHM_LAYERS` (shm's doors and its
+    ``__init__``: above them all)."""
+    parts = module.split(".")
+    return SHM_LAYERS.index(parts[3]) if len(parts) > 3 and parts[3] in SHM_LAYERS else len(SHM_LAYERS)
+
+
+def _in_shm(module: str) -> bool:
+    return module == SHM or module.startswith(SHM + ".")
+
+
 def _below(name: str, package: str) -> bool:
-    """Is ``name`` in a layer below ``package``'s (inside train: a lower subpackage)?"""
+    """Is ``name`` in a layer below ``package``'s (inside train and shm: a lower subpackage)?"""
     if _area(name) == _area(package) == "train":
         return _train_level(name) < _train_level(package)
+    if _in_shm(name) and _in_shm(package):
+        return _shm_level(name) < _shm_level(package)
     return _level(_area(name)) < _level(_area(package))
 
 
 def _parents_module(name: str, package: str) -> bool:
-    """Is ``name`` a module (not a package) of ``package``'s parent package -- the interface a
-    subpackage implements (``backends.shm`` implements ``backends.types``' backend)?  The circle
-    test keeps that module from importing the subpackage back."""
-    return (name.rpartition(".")[0] == package.rpartition(".")[0] and name in MODULES
+    """Is ``name`` a module (not a package) of a package that encloses ``package`` -- the
+    interface a subpackage implements (``backends.shm`` implements ``backends.types``' backend),
+    or a door of its own (``backends.shm.api``)?  The circle test keeps that module from
+    importing the subpackage back."""
+    return (package.startswith(name.rpartition(".")[0] + ".") and name in MODULES
             and MODULES[name].name != "__init__.py")
+
+
+def _shm_upward(modules: dict[str, Path]) -> list[str]:
+    wrong = []
+    for module in (m for m in modules if _in_shm(m) and _shm_level(m) < len(SHM_LAYERS)):
+        for target, taken in _imports(module):
+            if _in_shm(target) and target != SHM and _shm_level(target) > _shm_level(module) \
+                    and not _parents_module(target, module.rpartition(".")[0]):
+                wrong.append(f"{module} imports {target}{'.' + taken if taken else ''}")
+    return wrong
+
+
+def test_shm_rooms_import_only_those_below():
+    assert set(SHM_LAYERS) == {m.split(".")[3] for m in SUBPACKAGES if m.startswith(SHM + ".")}
+    wrong = _shm_upward(MODULES)
+    assert not wrong, "shm: imports that point up or sideways (SHM_LAYERS):\n" + "\n".join(wrong)
 
 
 def _train_upward(modules: dict[str, Path]) -> list[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from cpuddp.backends.shm import check as shm_check
+from cpuddp.backends.shm.protocol import check as shm_check
 from cpuddp.testing import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -378,10 +378,10 @@ def test_reservation_is_two_slots_per_rank_plus_header_control_lines_and_rings()
 
 
 def test_checks_stay_light_and_the_module_registers_once():
-    code = ("import sys, cpuddp.backends.shm.check, cpuddp.backends as b; assert 'torch' not in sys.modules; "
+    code = ("import sys, cpuddp.backends.shm.protocol.check, cpuddp.backends as b; assert 'torch' not in sys.modules; "
             "print(b.backend_status('shm').available); "
             "import cpuddp.shm, importlib, torch.distributed as d; cpuddp.shm.register(); "
-            "importlib.reload(sys.modules['cpuddp.backends.shm.group']); "
+            "importlib.reload(sys.modules['cpuddp.backends.shm.group.process_group']); "
             "print(d.Backend.backend_list.count('shm'), d.Backend.SHM)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

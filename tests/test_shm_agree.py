@@ -160,9 +160,9 @@ def test_sparse_layouts_are_compared_across_nodes_too():
 
     import torch
 
-    from cpuddp.backends.shm.descriptor import CallMismatch
-    from cpuddp.backends.shm.ops import SUM
-    from cpuddp.backends.shm.sparse import all_reduce_sparse
+    from cpuddp.backends.shm.protocol.descriptor import CallMismatch
+    from cpuddp.backends.shm.python.ops import SUM
+    from cpuddp.backends.shm.python.sparse import all_reduce_sparse
 
     box, gathered, barrier = {}, [], threading.Barrier(2, timeout=30)
 

@@ -1,4 +1,4 @@
-"""The shm group's one lifecycle state (cpuddp.backends.shm.channel.Lifecycle): its transitions
+"""The shm group's one lifecycle state (cpuddp.backends.shm.protocol.channel.Lifecycle): its transitions
 and what each state lets a call do.  The multi-process behaviour of each state is tested in
 tests/test_shm_lifecycle.py and tests/test_shm_faults.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
-from cpuddp.backends.shm.channel import Lifecycle, State
+from cpuddp.backends.shm.protocol.channel import Lifecycle, State
 from cpuddp.errors import GroupShutDownError
 
 

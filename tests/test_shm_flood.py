@@ -68,7 +68,7 @@ print(json.dumps({"connected": made, "backlog_full": full, "uid": os.geteuid(), 
 RANK = r"""
 import json, os, sys, time
 import cpuddp, torch, torch.distributed as dist
-import cpuddp.backends.shm.handover as h
+import cpuddp.backends.shm.protocol.handover as h
 path, late, fetch, serve = sys.argv[1], sys.argv[2] == "True", h._fetch, h._create_and_serve
 class Telling:
     def __init__(self, store):
@@ -169,7 +169,7 @@ def test_another_users_flood_of_the_hand_over_socket_cannot_stop_init_and_is_log
 def test_a_backlog_that_stays_full_is_named_as_busy_not_as_another_network_namespace():
     """A peer whose connect meets a full backlog waits for its turn until the deadline, then says
     the socket is busy (and by whom, where local rank 0 published it) -- never "namespaces?"."""
-    from cpuddp.backends.shm import handover
+    from cpuddp.backends.shm.protocol import handover
     from cpuddp.errors import BackendError
 
     name = os.urandom(16).hex()
@@ -220,7 +220,7 @@ def test_rank0_names_the_flood_in_its_error_when_the_peer_never_comes():
     (b"9" * 40 + b"\t1", {}),
 ])
 def test_the_published_flood_count_is_checked_before_a_peer_shows_it(raw, want):
-    from cpuddp.backends.shm.offer import busy_text, parse_busy
+    from cpuddp.backends.shm.protocol.offer import busy_text, parse_busy
 
     assert parse_busy(raw) == want
     if want:

@@ -177,7 +177,7 @@ def test_a_neighbour_that_connects_to_the_hand_over_and_says_nothing_delays_nobo
                  MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         # rank 1 asks for the segment only once the neighbour's three silent connections are in
         code = ("import os, sys, time, json, torch, torch.distributed as dist, cpuddp.shm\n"
-                "import cpuddp.backends.shm.handover as h\n"
+                "import cpuddp.backends.shm.protocol.handover as h\n"
                 "gate, fetch, t = sys.argv[1] + '.knocked', h._fetch, {}\n"
                 "def gated(*a, **k):\n"
                 "    while not os.path.exists(gate): time.sleep(0.005)\n"

@@ -148,7 +148,7 @@ def _same(a, b, signed_zeros: bool = True):
 def test_kernels_give_the_python_engines_bits_at_every_width(isa):
     import torch
 
-    from cpuddp.backends.shm.ops import rows_reducer
+    from cpuddp.backends.shm.python.ops import rows_reducer
 
     lib = _lib()
     code = native.ISAS.index(isa)
@@ -434,7 +434,7 @@ def _ddp_overlaps() -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from cpuddp.backends.shm.group import ShmProcessGroup
+    from cpuddp.backends.shm.group.process_group import ShmProcessGroup
 
     finished_at_return = []
     inner = ShmProcessGroup.allreduce
@@ -556,7 +556,7 @@ def test_dtypes_the_list_lacks_move_their_own_bytes_and_a_disagreement_is_named(
 def test_every_dtype_torch_has_gets_a_descriptor_code_of_its_own():
     import torch
 
-    from cpuddp.backends.shm.descriptor import dtype_code, dtype_name
+    from cpuddp.backends.shm.protocol.descriptor import dtype_code, dtype_name
 
     dtypes = {d for d in vars(torch).values() if isinstance(d, torch.dtype)}
     codes = {dtype_code(d): d for d in dtypes}

@@ -11,9 +11,9 @@ import sys
 
 import pytest
 
-from cpuddp.backends.shm import check as shm_check
-from cpuddp.backends.shm.placement import PAGE, page_nodes, slot_nodes
-from cpuddp.backends.shm.segment import Segment, create_segment
+from cpuddp.backends.shm.protocol import check as shm_check
+from cpuddp.backends.shm.protocol.placement import PAGE, page_nodes, slot_nodes
+from cpuddp.backends.shm.protocol.segment import Segment, create_segment
 from cpuddp.testing import run_distributed
 
 SLOT = 4 * PAGE
@@ -62,7 +62,7 @@ def _my_slots_node():
     """In a rank: the NUMA nodes of this rank's slot pages, and the node its CPUs are on."""
     import torch.distributed as dist
 
-    from cpuddp.backends.shm.numa_plan import rank_node
+    from cpuddp.backends.shm.python.numa_plan import rank_node
     from cpuddp.topology import read_topology
     from cpuddp.topology.here import allowed_cpus
 
@@ -96,8 +96,8 @@ def test_numactl_membind_is_honoured():
     if probe.returncode != 0 or not nodes:
         pytest.skip(f"numactl cannot run here: {probe.stderr[:200]}")
     node = nodes[0][-1]
-    code = ("from cpuddp.backends.shm.segment import Segment, create_segment\n"
-            "from cpuddp.backends.shm.placement import slot_nodes\n"
+    code = ("from cpuddp.backends.shm.protocol.segment import Segment, create_segment\n"
+            "from cpuddp.backends.shm.protocol.placement import slot_nodes\n"
             "fd, _ = create_segment(2, 16384)\n"
             "seg = Segment(fd, 1, 2, 16384)\n"
             "print(slot_nodes(seg, 1))\n")

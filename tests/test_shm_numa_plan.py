@@ -1,4 +1,4 @@
-"""cpuddp.backends.shm.numa_plan: the node's reduction plan over its NUMA nodes, from fake
+"""cpuddp.backends.shm.python.numa_plan: the node's reduction plan over its NUMA nodes, from fake
 topologies (1, 2 and 4 NUMA nodes, uneven groups, unknown and ambiguous ranks).  Pure: the real
 groups are in tests/test_shm_numa.py."""
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from cpuddp.backends.shm.numa_plan import FORCE_VAR, forced_nodes, plan_numa, rank_node
+from cpuddp.backends.shm.python.numa_plan import FORCE_VAR, forced_nodes, plan_numa, rank_node
 from cpuddp.errors import BackendError
 from cpuddp.topology import synthetic_topology
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cpuddp.backends.shm.ops import rows_reducer
+from cpuddp.backends.shm.python.ops import rows_reducer
 
 FNS = (torch.add, torch.mul, torch.minimum, torch.maximum)
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8,

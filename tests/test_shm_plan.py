@@ -1,4 +1,4 @@
-"""cpuddp.backends.shm.node.plan_node: which ranks share a node, as a pure function of every rank's
+"""cpuddp.backends.shm.protocol.node.plan_node: which ranks share a node, as a pure function of every rank's
 ``whoami`` record (host identity, allowed CPUs, pid, PID namespace).  The real groups are in
 tests/test_shm.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from cpuddp.backends.shm.node import check_local_size, parse_who, plan_node
+from cpuddp.backends.shm.protocol.node import check_local_size, parse_who, plan_node
 from cpuddp.errors import BackendError
 from cpuddp.launchers.hosts import HostRecord
 

@@ -6,7 +6,7 @@
   twice the ops of 2: the engine moves all slots in one op where it once ran one per peer --
   save one op per extra rank for a floating-point sum on the Python path (all_reduce,
   reduce_scatter), which adds in rank order, one row at a time, so that its bits are the native
-  path's (cpuddp.backends.shm.ops).  On the native path a call runs no aten op at all.
+  path's (cpuddp.backends.shm.python.ops).  On the native path a call runs no aten op at all.
 * Correctness on 3, 4 and 8 ranks: every reduce op and dtype the engine takes, results
   bit-identical on every rank and equal to a reference computed in one process, for sizes
   that take one round, several rounds and uneven parts.

@@ -58,7 +58,7 @@ from .auto import AutoFacts, auto_rule
 from .ccl import CclBackend, ccl_status
 from .failure import explain_collective_failure
 from .shm import api as shm_api
-from .shm import check as shm_check
+from .shm.protocol import check as shm_check
 from .shm.backend import ShmBackend
 from .torch_backends import GlooBackend, MpiBackend, NcclBackend, torch_probe
 from .types import (

@@ -7,7 +7,7 @@ plain JSON text under a key per rank.  :func:`layout` (pure) turns the records i
 rank's place on its node -- local rank, local size, node rank -- and the allowed CPU sets of
 the ranks it shares the node with, which the pinning plan needs.  A shm group's ranks publish
 the same record, with their pid and PID namespace, checked by the same :func:`parse_record`
-and placed by the same :func:`layout` (:mod:`cpuddp.backends.shm.node`).
+and placed by the same :func:`layout` (:mod:`cpuddp.backends.shm.protocol.node`).
 
 A rank that fails between two exchanges publishes its error in place of its value
 (:func:`publish_error`), so the others raise at once naming it instead of waiting out the

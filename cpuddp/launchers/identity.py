@@ -5,7 +5,7 @@ make one of a user's jobs read another job's records, socket names and tokens.  
 tells a rank that the process at the other end of a socket runs as the same user, not that it is
 a rank of the same job.  So wherever two ranks meet over a checked socket (the node's proof at
 init, :mod:`cpuddp.launchers.proof`; the shm group's hand-over,
-:mod:`cpuddp.backends.shm.handover`), each side states the :class:`JobIdentity` it derived
+:mod:`cpuddp.backends.shm.protocol.handover`), each side states the :class:`JobIdentity` it derived
 itself, and a peer whose identity differs is refused: two jobs of one user can at most fail, with
 an error naming the store, never be wired to each other.
 

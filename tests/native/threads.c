@@ -1,5 +1,5 @@
 /* The shm engine's protocol with ranks as threads, for ThreadSanitizer (tests/test_shm_native.py,
- * .ci/native.sh): one segment laid out as cpuddp/backends/shm/check.py lays it out, N threads each
+ * .ci/native.sh): one segment laid out as cpuddp/backends/shm/protocol/check.py lays it out, N threads each
  * with its own context and liveness lock, ITERS rounds of every collective engine.c runs, each
  * result checked, then all_reduces queued on each rank's progress thread, and the thread
  * stopped.  Built together with engine.c (included), so the sanitizer sees its every access:

@@ -24,7 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import cpuddp.backends.shm.handover as handover
+import cpuddp.backends.shm.protocol.handover as handover
 import cpuddp.shm  # noqa: F401  -- registers "shm" with torch.distributed
 from cpuddp.topology.here import pid_namespace
 

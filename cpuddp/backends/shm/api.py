@@ -37,7 +37,7 @@ class ShmOptions:
     launcher said (None: unknown), a floor for what the store may claim; ``cpus``: this rank's
     compute CPUs (the pinning plan's) -- the group forms on them, so the rank's slots are
     allocated on their NUMA node, and they place the rank in the node's NUMA plan
-    (:mod:`cpuddp.backends.shm.levels`); None: the forming thread's own CPUs."""
+    (:mod:`cpuddp.backends.shm.python.levels`); None: the forming thread's own CPUs."""
 
     inter: str = "gloo"
     async_comm: Optional[bool] = None

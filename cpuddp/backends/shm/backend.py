@@ -1,7 +1,7 @@
 """The ``shm`` backend as the pipeline sees it (:class:`~cpuddp.backends.types.BackendSpec`): what
 is its own of every step, without importing torch.
 
-* **Its check**: :func:`cpuddp.backends.shm.check.probe` (a named ``backend="shm"``), and
+* **Its check**: :func:`cpuddp.backends.shm.protocol.check.probe` (a named ``backend="shm"``), and
   :meth:`ShmBackend.auto_status` for ``backend="auto"`` (the node eligible, and every node of the
   job running 2 or more ranks).
 * **Its node-to-node leg**, another backend's object (:attr:`BackendChoice.leg
@@ -9,7 +9,7 @@ is its own of every step, without importing torch.
   else gloo: :func:`cpuddp.backends.auto.inter_leg`), or the user's ``CPUDDP_SHM_INTER``, read
   once, before the ranks agree (:meth:`ShmBackend.with_user_settings`).  The leg's settings and
   worker cores are the group's; the leg's object forms the cross groups
-  (:func:`cpuddp.backends.shm.cross.cross_group`).
+  (:func:`cpuddp.backends.shm.cross.hierarchy.cross_group`).
 * **The group's options** (:class:`~cpuddp.backends.shm.api.ShmOptions`, as ``pg_options``): the
   agreed leg, the communication thread on a spare CPU of the plan, the launcher's local size,
   the rank's CPUs.
@@ -30,7 +30,7 @@ from cpuddp.launchers import hosts, store_values
 
 from ..auto import inter_leg
 from ..types import BACKENDS, BackendChoice, BackendName, BackendSpec, BackendStatus, Lookups
-from . import check
+from .protocol import check
 from .api import INTER_VAR, LEGS, ShmOptions, user_leg
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -18,9 +18,9 @@ it orders memory); ctypes releases the GIL for it.  This module:
   into its control line, one round, and the node runs native only if every rank has the same
   library; otherwise every rank runs Python (and the reason is logged).
 * **guards** every call (:class:`Engine`): only contiguous CPU tensors of a dtype and op the
-  library reduces reach it (the callers stage the rest: :mod:`cpuddp.backends.shm.calls`, and
-  the routes that use it, :mod:`~cpuddp.backends.shm.direct` and
-  :mod:`~cpuddp.backends.shm.progress`); every
+  library reduces reach it (the callers stage the rest: :mod:`cpuddp.backends.shm.group.calls`, and
+  the routes that use it, :mod:`~cpuddp.backends.shm.routes.direct` and
+  :mod:`~cpuddp.backends.shm.routes.progress`); every
   pointer and length it gets is a tensor's own; inputs that overlap outputs in any way but the
   one each collective allows stay on the Python path.  An error code becomes the same error the
   Python engine raises (a mismatch naming both calls, a dead or departed peer, a rank that gave
@@ -54,7 +54,7 @@ RC_OK, RC_AGAIN, RC_MISMATCH, RC_DEAD, RC_LEFT, RC_ABORT, RC_TIMEOUT, RC_ARG, RC
 W_POST, W_SETTLE, W_ROUND = 1, 2, 3
 #: engine.c's collectives
 K_ALL_REDUCE, K_BROADCAST, K_BARRIER, K_ALL_GATHER, K_REDUCE_SCATTER, K_REDUCE = range(1, 7)
-#: the agreement's dtype codes (cpuddp.backends.shm.descriptor) the library moves and reduces
+#: the agreement's dtype codes (cpuddp.backends.shm.protocol.descriptor) the library moves and reduces
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64")
 _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
@@ -338,7 +338,7 @@ class Engine:
     def all_reduce(self, call: Any, flat: Any, code: Any) -> Tuple[Any, int, Optional[int]]:
         """``flat``: a contiguous 1-D tensor (in and out); ``code`` an op it reduces (AVG: the
         caller divides).  Each collective gives its job: ``(entry, a, b)`` for :meth:`run` or
-        :meth:`cpuddp.backends.shm.progress.Progress.submit`."""
+        :meth:`cpuddp.backends.shm.routes.progress.Progress.submit`."""
         n = flat.numel()
         return self.entry(call, K_ALL_REDUCE, self.dtype_code(flat.dtype), int(code), 0, n, n), flat.data_ptr(), None
 

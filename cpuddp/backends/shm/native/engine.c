@@ -1,7 +1,7 @@
 /* cpuddp shm native engine: the data path of the node-local collectives, in plain C.
  *
  * It runs the same protocol over the same segment as the Python engine
- * (cpuddp/backends/shm/local.py, channel.py, descriptor.py): one collective is one call here, which
+ * (cpuddp/backends/shm/python/local.py, channel.py, descriptor.py): one collective is one call here, which
  * posts the call's descriptor, moves the data in rounds and compares the descriptors, and a
  * group may run some calls here and others in Python (every rank of a node takes the same path
  * for a call: the choice is made from what the ranks agreed).  No Python or torch headers; the
@@ -51,7 +51,7 @@ enum { RC_OK = 0, RC_AGAIN = 1, RC_MISMATCH = 2, RC_DEAD = 3, RC_LEFT = 4, RC_AB
        RC_BUSY = 8, RC_CLOSED = 9 };
 /* where a wait was (err_where) */
 enum { W_POST = 1, W_SETTLE = 2, W_ROUND = 3 };
-/* dtypes (cpuddp.backends.shm.descriptor's codes) */
+/* dtypes (cpuddp.backends.shm.protocol.descriptor's codes) */
 enum { DT_F32 = 0, DT_F64 = 1, DT_F16 = 2, DT_BF16 = 3, DT_I8 = 4, DT_U8 = 5, DT_I16 = 6, DT_I32 = 7, DT_I64 = 8 };
 /* reduce ops (torch's ReduceOp codes) */
 enum { OPC_SUM = 0, OPC_AVG = 1, OPC_PROD = 2, OPC_MIN = 3, OPC_MAX = 4, OPC_BAND = 5, OPC_BOR = 6, OPC_BXOR = 7 };
@@ -61,7 +61,7 @@ enum { K_ALL_REDUCE = 1, K_BROADCAST = 2, K_BARRIER = 3, K_ALL_GATHER = 4, K_RED
 /* vector widths */
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
 
-/* segment layout facts shared with cpuddp/backends/shm/segment.py and check.py */
+/* segment layout facts shared with cpuddp/backends/shm/protocol/segment.py and check.py */
 #define W_ABORT 4          /* header int64 word: local rank + 1 of the first rank that gave up */
 #define BELL_AT 128        /* header byte: the futex word (uint32) rung after a counter rises */
 #define SLEEPERS_AT 192    /* header byte: how many waiters sleep on the bell (int32) */

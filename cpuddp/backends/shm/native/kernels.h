@@ -6,7 +6,7 @@
  * Every loop is elementwise across the message and runs over the ranks' rows in rank order:
  * out[j] = ((row0[j] op row1[j]) op row2[j]) ...  No reassociation, no contraction
  * (-ffp-contract=off, no -ffast-math): the result is the same bits on every rank and at every
- * width, and the Python engine's (cpuddp.backends.shm.ops) where its order is this one.
+ * width, and the Python engine's (cpuddp.backends.shm.python.ops) where its order is this one.
  * Integer arithmetic is done on unsigned types (wrapping, no undefined behaviour); MIN/MAX
  * propagate NaN like torch.minimum/maximum; float16 and bfloat16 round to their type after
  * each operation, as torch's elementwise ops on those types do. */

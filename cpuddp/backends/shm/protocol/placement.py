@@ -1,6 +1,6 @@
 """Where the segment's pages are: the NUMA node of each page of a slot (``move_pages(2)``).
 
-The placement itself is made in :mod:`cpuddp.backends.shm.segment` (each rank reserves its own
+The placement itself is made in :mod:`cpuddp.backends.shm.protocol.segment` (each rank reserves its own
 slots, so the kernel puts them on that rank's NUMA node); this module only asks the kernel where
 a page is -- for tests and diagnostics, never on the data path.
 
@@ -55,7 +55,7 @@ def page_nodes(addr: int, length: int) -> Optional[List[int]]:
 
 def slot_nodes(seg: Any, local_rank: int) -> Optional[Dict[int, int]]:
     """``{NUMA node: pages}`` over ``local_rank``'s two slots of the mapped segment ``seg``
-    (:class:`~cpuddp.backends.shm.segment.Segment`), or None where ``move_pages`` is unavailable."""
+    (:class:`~cpuddp.backends.shm.protocol.segment.Segment`), or None where ``move_pages`` is unavailable."""
     counts: Counter = Counter()
     for offset, length in seg.own_slots(local_rank):
         nodes = page_nodes(seg.address(offset), length)

@@ -2,7 +2,7 @@
 
 Every collective moves its data in rounds.  A round has an epoch ``e``: each rank writes into
 its own slot of buffer ``e % 2`` (copy-in), raises its arrival counter to ``e``, waits until
-every local peer's counter reached ``e`` (:meth:`cpuddp.backends.shm.channel.Channel.round`), then reads what it needs
+every local peer's counter reached ``e`` (:meth:`cpuddp.backends.shm.protocol.channel.Channel.round`), then reads what it needs
 from the peers' slots (copy-out or reduce).  With two buffers one synchronisation per round
 suffices: a rank writes buffer ``e % 2`` again only at ``e + 2``, after every peer arrived at
 ``e + 1``, which it does only after its reads of round ``e``.  Large tensors take several
@@ -12,11 +12,11 @@ in the caches).
 Per collective (``n`` local ranks, ``me`` this rank's local rank):
 
 Per-call work does not grow with ``n``: the slots of a buffer are one ``[n, slot]`` view
-(:meth:`~cpuddp.backends.shm.segment.Segment.rows`), so a rank reads or writes every slot in
-one op -- one reduction over dim 0 (:func:`cpuddp.backends.shm.ops.rows_reducer`), one strided
+(:meth:`~cpuddp.backends.shm.protocol.segment.Segment.rows`), so a rank reads or writes every slot in
+one op -- one reduction over dim 0 (:func:`cpuddp.backends.shm.python.ops.rows_reducer`), one strided
 copy of the parts every rank reduced (the diagonal blocks of the view) -- and every op covers
 whole slots, big enough for the rank's intra-op threads.  The views of the segment a round uses
-are made once per message size and kept (:meth:`~cpuddp.backends.shm.segment.Segment.regions`,
+are made once per message size and kept (:meth:`~cpuddp.backends.shm.protocol.segment.Segment.regions`,
 ``LocalEngine._parts_views``; a training loop repeats a few sizes): in Python, a view costs
 about as much as copying 4 KiB.
 
@@ -27,7 +27,7 @@ about as much as copying 4 KiB.
   a second round; then every rank copies every part out in one strided copy (two when the
   last part is short).  Each element is reduced by exactly one rank: the result is
   bit-identical on every rank.  On a node whose NUMA plan has two or more groups: within each
-  NUMA node, then across them (:mod:`cpuddp.backends.shm.levels`).
+  NUMA node, then across them (:mod:`cpuddp.backends.shm.python.levels`).
 * ``reduce``: like all_reduce, only the root reduces (one op over every slot); the others'
   tensors are not changed.
 * ``broadcast``: the root copies in, the others copy out.
@@ -43,9 +43,9 @@ about as much as copying 4 KiB.
 * ``barrier``: the agreement itself (every rank posted the call, so every rank entered it).
 
 Before it reads anything a peer wrote for a call, a rank compares the call's descriptor with
-every peer's (:mod:`cpuddp.backends.shm.descriptor`, driven by the channel): a mismatch is an error
+every peer's (:mod:`cpuddp.backends.shm.protocol.descriptor`, driven by the channel): a mismatch is an error
 on every rank.  After any error the group is broken: every later call raises at once, and the
-segment's abort word makes the peers stop too (:mod:`cpuddp.backends.shm.channel`).
+segment's abort word makes the peers stop too (:mod:`cpuddp.backends.shm.protocol.channel`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 import torch.distributed as dist
 
-from .channel import Channel
+from ..protocol.channel import Channel
 from .ops import rows_reducer
 
 __all__ = ["LocalEngine", "part_length", "span", "rows_of", "block"]
@@ -134,12 +134,12 @@ def _copy_parts_out(src: _PartsOut, dst: torch.Tensor) -> None:
 
 class LocalEngine:
     """One group's collectives among the ranks of this node (used by one thread at a time), over
-    its :class:`~cpuddp.backends.shm.channel.Channel`: each round is ``ch.round(e)``."""
+    its :class:`~cpuddp.backends.shm.protocol.channel.Channel`: each round is ``ch.round(e)``."""
 
     def __init__(self, ch: Channel) -> None:
         self.ch, self.seg, self.local, self.rank = ch, ch.seg, ch.local, ch.rank
         self.me, self.n = ch.me, ch.n
-        #: the two-level all_reduce (:class:`cpuddp.backends.shm.levels.TwoLevel`) when the node's
+        #: the two-level all_reduce (:class:`cpuddp.backends.shm.python.levels.TwoLevel`) when the node's
         #: NUMA plan has two or more groups, set by the group; else None: the one-level path
         self.levels: Optional[Any] = None
         self._parts: Dict[Tuple[torch.dtype, int], List[_PartsRound]] = {}
@@ -271,7 +271,7 @@ class LocalEngine:
                 fn(*((mine, theirs) if me == 0 else (theirs, mine)), out=mine)
 
     def broadcast(self, flat: torch.Tensor, root: int) -> None:
-        """``flat``: bytes (:func:`cpuddp.backends.shm.ops.flat_bytes`)."""
+        """``flat``: bytes (:func:`cpuddp.backends.shm.python.ops.flat_bytes`)."""
         if self.n == 1 or not flat.numel():
             return
         me = self.me

@@ -1,4 +1,4 @@
-"""The native route of a shm group (:mod:`cpuddp.backends.shm.route`): a one-level, single-node
+"""The native route of a shm group (:mod:`cpuddp.backends.shm.routes.route`): a one-level, single-node
 group whose native library loaded (:mod:`cpuddp.backends.shm.native`)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any, List
 import torch
 
 from . import call_args
-from .ops import AVG, check_tensors, flat_bytes, reducer, staged
+from ..python.ops import AVG, check_tensors, flat_bytes, reducer, staged
 from .route_node import NodeRoute
 
 __all__ = ["NativeRoute"]
@@ -21,7 +21,7 @@ class NativeRoute(NodeRoute):
     progress thread where one runs and the call is big or others wait -- not an AVG, whose
     division must be done before the next call may touch the tensor); what the library does
     not reduce (dtype, op) and the other collectives run on the Python engine, as on
-    :class:`NodeRoute`.  Its :class:`~cpuddp.backends.shm.direct.Direct` (``group._direct``) is
+    :class:`NodeRoute`.  Its :class:`~cpuddp.backends.shm.routes.direct.Direct` (``group._direct``) is
     asked before this route, by torch's method itself."""
 
     def __init__(self, group: Any, eng: Any, nat: Any) -> None:

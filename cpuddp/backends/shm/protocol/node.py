@@ -10,7 +10,7 @@ runs on gloo.  Which node each member is on is not the store's to say: where the
 (at init, or by the world's shm group), :func:`pin_hosts` takes each member's host from it,
 so no record written while a group forms can move a member off its node (and the group off
 shared memory).  A plan that puts a rank on this node is proved by the hand-over
-(:mod:`cpuddp.backends.shm.handover` checks the peer's credentials and its job identity), and
+(:mod:`cpuddp.backends.shm.protocol.handover` checks the peer's credentials and its job identity), and
 a plan with fewer local ranks than the launcher said is refused (:func:`check_local_size`).
 
 :class:`GroupName` is what tells one group's formation from another's, from the process's own

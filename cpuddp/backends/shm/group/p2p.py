@@ -1,6 +1,6 @@
 """Point-to-point (``send``/``recv``) between the ranks of one node, over the ``socketpair``
 local rank 0 made for each pair of them and handed over with the segment
-(:mod:`cpuddp.backends.shm.handover`).  The sockets have no name: no other process can reach
+(:mod:`cpuddp.backends.shm.protocol.handover`).  The sockets have no name: no other process can reach
 them.
 
 One thread per group moves the bytes (``selectors``: a send never waits for its receive, so two
@@ -30,7 +30,7 @@ from typing import Any, Deque, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .forks import close_in_forked_child
+from ..protocol.forks import close_in_forked_child
 
 __all__ = ["PeerLinks"]
 

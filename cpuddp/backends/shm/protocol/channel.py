@@ -4,11 +4,11 @@ lifecycle state.
 Owns: the group's :class:`Lifecycle` (forming, live, broken, left, closed) and, once the
 segment is mapped, the :class:`Channel` over it -- the agreement of each call (post its
 descriptor, compare it with every peer's), the rounds, the abort word, leaving and closing.
-The data paths (:mod:`cpuddp.backends.shm.local`, :mod:`~cpuddp.backends.shm.levels`,
-:mod:`~cpuddp.backends.shm.cross`) need two calls of it: :meth:`Channel.agree` a call,
-:meth:`Channel.round` a round.  The pieces it drives: :mod:`~cpuddp.backends.shm.segment`
-(the mapping, the liveness locks), :mod:`~cpuddp.backends.shm.descriptor` (the descriptor rings),
-:mod:`~cpuddp.backends.shm.wait` (the one wait policy).
+The data paths (:mod:`cpuddp.backends.shm.python.local`, :mod:`~cpuddp.backends.shm.python.levels`,
+:mod:`~cpuddp.backends.shm.cross.hierarchy`) need two calls of it: :meth:`Channel.agree` a call,
+:meth:`Channel.round` a round.  The pieces it drives: :mod:`~cpuddp.backends.shm.protocol.segment`
+(the mapping, the liveness locks), :mod:`~cpuddp.backends.shm.protocol.descriptor` (the descriptor rings),
+:mod:`~cpuddp.backends.shm.protocol.wait` (the one wait policy).
 May import: the shm modules named above, torch.distributed, cpuddp.errors.
 
 **Publish, then count.**  A rank makes a thing visible to its peers only by raising a counter
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from cpuddp.errors import GroupShutDownError
 
 from .descriptor import Call, Ring, describe
-from .native import Counters
+from ..native import Counters
 from .segment import C_CHECKED, C_STATE, STATE_LEFT, W_ABORT, Segment
 from .wait import Waiter
 

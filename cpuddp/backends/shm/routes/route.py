@@ -1,18 +1,18 @@
 """The route a shm group's collectives take: one object, chosen once when the group forms
-(:meth:`~cpuddp.backends.shm.group.ShmProcessGroup._route_for`).
+(:meth:`~cpuddp.backends.shm.group.process_group.ShmProcessGroup._route_for`).
 
-:class:`~cpuddp.backends.shm.calls.Collectives` (torch's methods) normalises torch's argument
+:class:`~cpuddp.backends.shm.group.calls.Collectives` (torch's methods) normalises torch's argument
 forms and hands each call to the group's route, whose methods the group bound as ``_<name>``
 when it formed (:data:`CALLS`): no ``if`` per call on what kind of group this is.  Four routes:
 
-* :class:`~cpuddp.backends.shm.route_node.NodeRoute` -- one node, shared memory, the Python
-  engine (:class:`~cpuddp.backends.shm.local.LocalEngine`, NUMA levels inside it);
-* :class:`~cpuddp.backends.shm.route_native.NativeRoute` -- one node, one level, the native data
+* :class:`~cpuddp.backends.shm.routes.route_node.NodeRoute` -- one node, shared memory, the Python
+  engine (:class:`~cpuddp.backends.shm.python.local.LocalEngine`, NUMA levels inside it);
+* :class:`~cpuddp.backends.shm.routes.route_native.NativeRoute` -- one node, one level, the native data
   path (:mod:`cpuddp.backends.shm.native`) for what it reduces, the Python engine for the rest;
-  its :class:`~cpuddp.backends.shm.direct.Direct` (no communication thread) is asked first, by
-  :mod:`~cpuddp.backends.shm.calls` itself, so that the common call is one native call;
-* :class:`~cpuddp.backends.shm.route_node.CrossRoute` -- several nodes: shared memory inside each
-  node and a cross group between them (:class:`~cpuddp.backends.shm.cross.Hierarchy`),
+  its :class:`~cpuddp.backends.shm.routes.direct.Direct` (no communication thread) is asked first, by
+  :mod:`~cpuddp.backends.shm.group.calls` itself, so that the common call is one native call;
+* :class:`~cpuddp.backends.shm.routes.route_node.CrossRoute` -- several nodes: shared memory inside each
+  node and a cross group between them (:class:`~cpuddp.backends.shm.cross.hierarchy.Hierarchy`),
   all_to_all on the gloo group of every rank;
 * :class:`WorldRoute` -- a group with no node-local engine (nodes of one rank, uneven nodes):
   every collective on the gloo group of every rank.
@@ -129,7 +129,7 @@ class WorldAllToAll:
 
 class WorldRoute(WorldAllToAll, Route):
     """Every collective on ``world``, the gloo group of every rank
-    (:class:`~cpuddp.backends.shm.cross.SumThenDivide`): no engine of the node's."""
+    (:class:`~cpuddp.backends.shm.cross.hierarchy.SumThenDivide`): no engine of the node's."""
 
     def __init__(self, world: Any) -> None:
         self.world = world

@@ -1,18 +1,18 @@
 """The collectives torch calls on a shm group (:class:`Collectives`, mixed into
-:class:`~cpuddp.backends.shm.group.ShmProcessGroup`), each handed to the group's route.
+:class:`~cpuddp.backends.shm.group.process_group.ShmProcessGroup`), each handed to the group's route.
 
 Every method: ask the group's direct route first where it has one (five collectives: one
-native call, :mod:`cpuddp.backends.shm.direct`), else normalise torch's argument forms
-(:mod:`cpuddp.backends.shm.call_args`) and hand the call to the route the group chose when it formed
-(:mod:`cpuddp.backends.shm.route`: one node in shared memory on the Python engine or the native
+native call, :mod:`cpuddp.backends.shm.routes.direct`), else normalise torch's argument forms
+(:mod:`cpuddp.backends.shm.routes.call_args`) and hand the call to the route the group chose when it formed
+(:mod:`cpuddp.backends.shm.routes.route`: one node in shared memory on the Python engine or the native
 data path, several nodes through the hierarchy, or every rank's gloo group), whose methods the
-group bound as ``_<name>`` (:data:`~cpuddp.backends.shm.route.CALLS`): a bound method, no branch
+group bound as ``_<name>`` (:data:`~cpuddp.backends.shm.routes.route.CALLS`): a bound method, no branch
 on the kind of group per call.  The shared-memory routes
 check a call (tensor kinds, dtypes and ops, sizes, roots) before it is posted: a refused call
 never happened, for this rank and its peers alike (a peer that waits for it learns of it when
 this rank calls something else, exits or dies, or the watchdog reports its error).  An error once
 a call is posted breaks the group: every later call raises at once, and the peers stop too.
-Tensors of any layout go through staging (:func:`cpuddp.backends.shm.ops.staged`).
+Tensors of any layout go through staging (:func:`cpuddp.backends.shm.python.ops.staged`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any, Callable, List
 
 import torch
 
-from . import call_args
-from .ops import check_tensors
+from ..routes import call_args
+from ..python.ops import check_tensors
 
 __all__ = ["Collectives"]
 
@@ -30,8 +30,8 @@ __all__ = ["Collectives"]
 class Collectives:
     """torch's collective methods for a group with ``_direct`` and its route's bound methods."""
 
-    _direct: Any  # its direct route (cpuddp.backends.shm.direct), or None
-    # the route's methods (cpuddp.backends.shm.route.CALLS), bound when the group formed
+    _direct: Any  # its direct route (cpuddp.backends.shm.routes.direct), or None
+    # the route's methods (cpuddp.backends.shm.routes.route.CALLS), bound when the group formed
     _all_reduce: Callable[[List[Any], Any], Any]
     _all_reduce_coalesced: Callable[[List[Any], Any], Any]
     _reduce: Callable[[List[Any], Any, Any], Any]

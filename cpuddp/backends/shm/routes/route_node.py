@@ -1,6 +1,6 @@
-"""The shared-memory routes of a shm group (:mod:`cpuddp.backends.shm.route`): one node on the
+"""The shared-memory routes of a shm group (:mod:`cpuddp.backends.shm.routes.route`): one node on the
 Python engine (:class:`NodeRoute`), and several nodes through the hierarchy (:class:`CrossRoute`,
-the same checks and staging with the data legs of :class:`~cpuddp.backends.shm.cross.Hierarchy`).
+the same checks and staging with the data legs of :class:`~cpuddp.backends.shm.cross.hierarchy.Hierarchy`).
 """
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ import torch
 from cpuddp.errors import BackendError
 
 from . import call_args
-from .ops import AVG, SUM, check_tensors, flat_bytes, reducer, staged
+from ..python.ops import AVG, SUM, check_tensors, flat_bytes, reducer, staged
 from .route import Route, WorldAllToAll
-from .sparse import all_reduce_sparse, check_sparse, sparse_call
+from ..python.sparse import all_reduce_sparse, check_sparse, sparse_call
 
 __all__ = ["NodeRoute", "CrossRoute"]
 
 
 class NodeRoute(Route):
     """One node's collectives in shared memory on the Python engine ``eng``: each call checked,
-    then posted with a body through the group's ``_run`` (:class:`~cpuddp.backends.shm.group.ShmProcessGroup`).
+    then posted with a body through the group's ``_run`` (:class:`~cpuddp.backends.shm.group.process_group.ShmProcessGroup`).
     The data legs (``_leg_*``) are this node's engine; :class:`CrossRoute` replaces them."""
 
     def __init__(self, group: Any, eng: Any) -> None:
@@ -303,7 +303,7 @@ class NodeRoute(Route):
 
 class CrossRoute(WorldAllToAll, NodeRoute):
     """Several nodes: the checks and staging of :class:`NodeRoute`, the data through ``hier``
-    (:class:`~cpuddp.backends.shm.cross.Hierarchy`: shared memory inside the node, its cross group
+    (:class:`~cpuddp.backends.shm.cross.hierarchy.Hierarchy`: shared memory inside the node, its cross group
     between nodes); all_to_all on ``world``, the gloo group of every rank."""
 
     def __init__(self, group: Any, eng: Any, hier: Any, world: Any) -> None:

@@ -5,7 +5,7 @@ rank-order concatenation is coalesced, the same on every rank.  SUM and AVG, as 
 The ranks must hold alike tensors: the values' dtype, the indices' dtype, ``sparse_dim``, the
 dense sizes and the shape (the number of non-zeros may differ).  :func:`sparse_call` packs them
 into the call's descriptor, so the node's ranks compare them before anything moves (a
-difference is a :class:`~cpuddp.backends.shm.descriptor.CallMismatch` on every rank, naming both);
+difference is a :class:`~cpuddp.backends.shm.protocol.descriptor.CallMismatch` on every rank, naming both);
 across nodes the same words go first with the counts, and are compared again.
 
 Descriptor fields of ``all_reduce_sparse``: ``dtype`` the values' dtype; ``root`` the indices'
@@ -23,7 +23,7 @@ import torch
 
 from cpuddp.errors import BackendError
 
-from .descriptor import ANY, KINDS, READERS, CallMismatch, Pinned, describe, dtype_code, dtype_name, encode
+from ..protocol.descriptor import ANY, KINDS, READERS, CallMismatch, Pinned, describe, dtype_code, dtype_name, encode
 from .ops import AVG, SUM, flat_bytes
 
 __all__ = ["check_sparse", "all_reduce_sparse", "sparse_call", "read_sparse_call"]

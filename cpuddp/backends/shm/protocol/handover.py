@@ -1,11 +1,11 @@
 """Handing the node's segment (and the ranks' point-to-point sockets) from local rank 0 to its
 local peers, over an abstract Unix socket whose every peer is checked.
 
-Local rank 0 makes the segment (:func:`cpuddp.backends.shm.segment.create_segment`) and one
+Local rank 0 makes the segment (:func:`cpuddp.backends.shm.protocol.segment.create_segment`) and one
 ``socketpair`` per pair of local ranks, binds a listening socket with a random abstract name,
 and publishes ``sock<TAB>name<TAB>token<TAB>slot`` under the group's ``seg/<rank>`` key.  Each
 local peer connects, and both ends check the other's credentials (``SO_PEERCRED``: this uid)
-and job identity (the words: :mod:`cpuddp.backends.shm.offer`):
+and job identity (the words: :mod:`cpuddp.backends.shm.protocol.offer`):
 
 * local rank 0 checks a connection right after ``accept()``, before reading a byte: another
   user's connection is closed at once (the first one of each uid logged with its uid and pid,
@@ -23,7 +23,7 @@ and job identity (the words: :mod:`cpuddp.backends.shm.offer`):
   connected to, the launcher's job id, the world, the group -- derived by itself, never read
   from the store); local rank 0 refuses a peer of another job or group at once, and states its
   own identity with the descriptors (``SCM_RIGHTS``); the peer checks it, then the segment
-  (:func:`cpuddp.backends.shm.segment.check_received`), and answers ``ok`` or its error.  So
+  (:func:`cpuddp.backends.shm.protocol.segment.check_received`), and answers ``ok`` or its error.  So
   two jobs of one user whose stores someone rewrote fail, naming the store, and are never wired
   to each other; each side holds the other's process as the kernel named it
   (:class:`~cpuddp.launchers.identity.PeerProcess`), never by a pid from the store.

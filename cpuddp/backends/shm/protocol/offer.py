@@ -1,5 +1,5 @@
 """The hand-over's words: local rank 0's offer in the store, a peer's hello, the count of other
-users' connections refused, and the errors they lead to (:mod:`cpuddp.backends.shm.handover`).
+users' connections refused, and the errors they lead to (:mod:`cpuddp.backends.shm.protocol.handover`).
 Every value read from the store or a socket is checked here before use."""
 
 from __future__ import annotations

@@ -14,12 +14,12 @@ tensor and coalesced forms, the torch 2.13 names ``all_gather_single*`` and the 
 reduce_scatter (likewise ``reduce_scatter_single*``), gather, scatter, all_to_all and
 all_to_all_single, barrier, and send/recv, for dense CPU tensors of any layout (a strided
 tensor goes through a contiguous staging copy and back) -- through the node's shared segment
-(:mod:`cpuddp.backends.shm.local`) and, between the node's ranks, its sockets for send/recv
-(:mod:`cpuddp.backends.shm.p2p`).  Across nodes: shared memory inside each node and gloo (or
-oneCCL) between them (:mod:`cpuddp.backends.shm.cross`).  Nodes that run different numbers of
+(:mod:`cpuddp.backends.shm.python.local`) and, between the node's ranks, its sockets for send/recv
+(:mod:`cpuddp.backends.shm.group.p2p`).  Across nodes: shared memory inside each node and gloo (or
+oneCCL) between them (:mod:`cpuddp.backends.shm.cross.hierarchy`).  Nodes that run different numbers of
 ranks, or one rank each, run every collective on gloo (the reason is logged).
 
-Every collective is agreed first (:mod:`cpuddp.backends.shm.descriptor`): a mismatch between the
+Every collective is agreed first (:mod:`cpuddp.backends.shm.protocol.descriptor`): a mismatch between the
 node's ranks is an error on every rank naming both calls, never a wrong result.  Errors raise
 from the call (or its ``wait()``), and break the group: later calls raise at once.
 
@@ -27,20 +27,20 @@ The group's torch-side name needs a backend object registered for the CPU; it is
 ``FakeProcessGroup`` that raises if anything calls it (nothing does: every path torch has --
 its Python API, DDP's reducer, functional collectives, FSDP2, DCP -- reaches these methods).
 
-Lifecycle (one state, :class:`~cpuddp.backends.shm.channel.Lifecycle`):
+Lifecycle (one state, :class:`~cpuddp.backends.shm.protocol.channel.Lifecycle`):
 ``shutdown``/``destroy_process_group`` and ``cpuddp.shutdown`` leave the group
 (peers waiting for this rank stop at once); any use after that raises
 :class:`~cpuddp.errors.GroupShutDownError`; a forked child can neither use its parent's group
-nor leave it (:mod:`cpuddp.backends.shm.segment`).  Each group forms under a key prefix of its
+nor leave it (:mod:`cpuddp.backends.shm.protocol.segment`).  Each group forms under a key prefix of its
 own in the store (``shm/<n>/``, n counting this process's formations of that group: a count no one
 else can move), so a group formed again in the same processes never reads a key the last one
 left.  Which node each member is on comes from the job's proven layout, and every local peer
-proves it is a rank of this job's group in the hand-over (:mod:`cpuddp.backends.shm.node`,
-:mod:`cpuddp.backends.shm.handover`).
+proves it is a rank of this job's group in the hand-over (:mod:`cpuddp.backends.shm.protocol.node`,
+:mod:`cpuddp.backends.shm.protocol.handover`).
 
 Options: :class:`~cpuddp.backends.shm.api.ShmOptions` as ``pg_options``; without them
 ``CPUDDP_SHM_INTER``, ``CPUDDP_SHM_ASYNC`` and ``CPUDDP_SHM_SLOT`` are read (and ``CPUDDP_SHM_NUMA``, a
-forced NUMA plan: :mod:`cpuddp.backends.shm.levels`).
+forced NUMA plan: :mod:`cpuddp.backends.shm.python.levels`).
 """
 
 from __future__ import annotations
@@ -59,27 +59,28 @@ from cpuddp.affinity.pin import thread_affinity
 from cpuddp.errors import BackendError, GroupShutDownError
 from cpuddp.launchers import identity
 
-from . import api
-from . import check as shm_check
-from . import call_args, native
+from .. import api
+from ..protocol import check as shm_check
+from ..routes import call_args
+from .. import native
 from .calls import Collectives
-from .channel import Channel, Lifecycle
-from .cross import Hierarchy, SumThenDivide, cross_group
-from .descriptor import encode
-from .direct import Direct
-from .handover import map_segment
-from .levels import setup_levels
-from .local import LocalEngine
-from .node import GroupName, NodePlan, check_local_size, group_name, parse_who, pin_hosts, plan_node, whoami
-from .ops import check_tensors, dense
+from ..protocol.channel import Channel, Lifecycle
+from ..cross.hierarchy import Hierarchy, SumThenDivide, cross_group
+from ..protocol.descriptor import encode
+from ..routes.direct import Direct
+from ..protocol.handover import map_segment
+from ..python.levels import setup_levels
+from ..python.local import LocalEngine
+from ..protocol.node import GroupName, NodePlan, check_local_size, group_name, parse_who, pin_hosts, plan_node, whoami
+from ..python.ops import check_tensors, dense
 from .p2p import PeerLinks
-from .progress import Progress
-from .route import CALLS, Route, WorldRoute
-from .route_native import NativeRoute
-from .route_node import CrossRoute, NodeRoute
-from .segment import C_NATIVE
-from .stream import ASYNC_FROM, GatheredWork, Stream, TimedWork, async_setting
-from .wait import Waiter
+from ..routes.progress import Progress
+from ..routes.route import CALLS, Route, WorldRoute
+from ..routes.route_native import NativeRoute
+from ..routes.route_node import CrossRoute, NodeRoute
+from ..protocol.segment import C_NATIVE
+from ..routes.stream import ASYNC_FROM, GatheredWork, Stream, TimedWork, async_setting
+from ..protocol.wait import Waiter
 
 __all__ = ["NAME", "ShmProcessGroup", "register", "eligibility"]
 
@@ -122,7 +123,7 @@ def _require_x86() -> None:
 
 class ShmProcessGroup(Collectives, dist.ProcessGroup):
     """The ``shm`` process group (see the module docstring; the collectives are in
-    :mod:`cpuddp.backends.shm.calls`)."""
+    :mod:`cpuddp.backends.shm.group.calls`)."""
 
     def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta,
                  options: Optional[api.ShmOptions] = None, name: Optional[GroupName] = None) -> None:
@@ -153,8 +154,8 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._direct = (Direct(self._native, self._life, self._eng.ch.seg, self._stream.exec_lock,  # type: ignore[union-attr]
                                self._on_error, self._plan.local)  # type: ignore[union-attr]
                         if self._native is not None and self._stream.inline and self._progress is None else None)
-        #: the route every collective takes (cpuddp.backends.shm.route), chosen once: its methods
-        #: bound here as ``_<name>``, what torch's methods (cpuddp.backends.shm.calls) hand a call to
+        #: the route every collective takes (cpuddp.backends.shm.routes.route), chosen once: its methods
+        #: bound here as ``_<name>``, what torch's methods (cpuddp.backends.shm.group.calls) hand a call to
         self._route = self._route_for()
         for call in CALLS:
             setattr(self, f"_{call}", getattr(self._route, call))

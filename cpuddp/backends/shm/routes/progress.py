@@ -5,7 +5,7 @@ GIL-free native call.
 ``engine.c`` owns the thread (``cpuddp_shm_start``: a pthread with every signal blocked, so
 Ctrl-C stays the main thread's) and its queue of 64 calls; :meth:`Progress.submit` hands it a
 call's job -- its prepared entry and its tensors' addresses -- and returns an unfinished
-:class:`~cpuddp.backends.shm.stream.ShmWork` at once, so DDP's reducer and FSDP2's prefetch go
+:class:`~cpuddp.backends.shm.routes.stream.ShmWork` at once, so DDP's reducer and FSDP2's prefetch go
 on while the data moves.  The submitted tensors (and the call's result) are held here until
 the call completes: nothing a queued call reads or writes is freed under it.  One Python thread
 (``cpuddp-shm-wait-<rank>``) waits for each call in turn inside ``cpuddp_shm_wait`` (ctypes
@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 
 import torch
 
-from .native import RC_AGAIN, RC_BUSY, RC_OK
+from ..native import RC_AGAIN, RC_BUSY, RC_OK
 
 __all__ = ["Progress"]
 

@@ -1,6 +1,6 @@
-"""Waiting for the node's other ranks, for the shm group (:mod:`cpuddp.backends.shm.local`), and
+"""Waiting for the node's other ranks, for the shm group (:mod:`cpuddp.backends.shm.python.local`), and
 the one wait policy of the shm backend (:class:`Backoff`, :func:`spin_until`; the group's
-communication thread and its Works use it too, :mod:`cpuddp.backends.shm.stream`).
+communication thread and its Works use it too, :mod:`cpuddp.backends.shm.routes.stream`).
 
 :meth:`Waiter.until` returns once no local peer is late, and ends at once with an error naming
 the peer that died, left the group or gave up (the segment's abort word), and at the group
@@ -18,7 +18,7 @@ timeout otherwise.  How it waits, and why:
   a rank that arrived first several times the copy it waited for), and a wait of seconds for a
   late peer wakes ~450 times a second, not ~2,500 (``benchmarks/wait_cost.py``).
 * every 0.1 s, a check that each late peer lives (the kernel-held lock of
-  :meth:`cpuddp.backends.shm.segment.Segment.alive`, which works across PID namespaces, and
+  :meth:`cpuddp.backends.shm.protocol.segment.Segment.alive`, which works across PID namespaces, and
   its pid where it is visible) and has not left the group.
 """
 

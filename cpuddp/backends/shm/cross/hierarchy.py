@@ -32,11 +32,11 @@ import torch.distributed as dist
 
 from cpuddp.errors import BackendError
 
-from ..types import backend_for
-from .local import LocalEngine
-from .node import NodePlan
-from .ops import AVG, reducer, rows_reducer, summed
-from .stream import GatheredWork
+from ...types import backend_for
+from ..python.local import LocalEngine
+from ..protocol.node import NodePlan
+from ..python.ops import AVG, reducer, rows_reducer, summed
+from ..routes.stream import GatheredWork
 
 __all__ = ["Hierarchy", "cross_group", "SumThenDivide"]
 

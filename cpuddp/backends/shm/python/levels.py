@@ -1,9 +1,9 @@
 """The node's all_reduce in two levels: within each NUMA node, then once across them.
 
-Selected only when the node's plan (:func:`cpuddp.backends.shm.numa_plan.plan_nodes`, from each
+Selected only when the node's plan (:func:`cpuddp.backends.shm.python.numa_plan.plan_nodes`, from each
 rank's NUMA node as it wrote it in the segment; :func:`setup_levels`) has two or more groups; otherwise the
 engine's one-level path runs unchanged.  Each rank's slots live on its own NUMA node
-(:mod:`cpuddp.backends.shm.segment`).  With ``M`` parts per chunk (the largest group) and ``K``
+(:mod:`cpuddp.backends.shm.protocol.segment`).  With ``M`` parts per chunk (the largest group) and ``K``
 groups, for each chunk of at most one slot (epoch ``e``, buffers ``A = e % 2`` and ``B``):
 
 1. every rank copies its chunk into its row of ``A``;                                   sync(e)
@@ -33,7 +33,7 @@ from .local import LocalEngine, block, part_length, span
 from cpuddp.errors import BackendError
 
 from .numa_plan import NumaPlan, forced_node, forced_nodes, plan_nodes, rank_node
-from .segment import C_NUMA, NOTE_BYTES
+from ..protocol.segment import C_NUMA, NOTE_BYTES
 from .ops import rows_reducer
 
 __all__ = ["TwoLevel", "my_node", "setup_levels"]

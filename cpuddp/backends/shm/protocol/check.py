@@ -56,7 +56,7 @@ PAGE = 4096
 #: node and why it has none), each on its own 128-byte line (adjacent-line prefetch pairs 64 B lines).
 COUNTER_STRIDE = 128
 HEADER_BYTES = PAGE
-#: Per-call descriptors: a ring of RING entries of DESC_BYTES per rank (cpuddp.backends.shm.descriptor).
+#: Per-call descriptors: a ring of RING entries of DESC_BYTES per rank (cpuddp.backends.shm.protocol.descriptor).
 RING = 16
 DESC_BYTES = 64
 

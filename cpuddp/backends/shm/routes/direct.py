@@ -2,7 +2,7 @@
 ``reduce_scatter_single`` and ``barrier`` from torch's call to one native call, with no Python
 object made per call.
 
-:class:`~cpuddp.backends.shm.calls.Collectives` asks :class:`Direct` first; it takes the call
+:class:`~cpuddp.backends.shm.group.calls.Collectives` asks :class:`Direct` first; it takes the call
 only in the common case -- plain, dense, contiguous CPU tensors of one dtype (and, for a
 reduction, an op the library reduces; AVG excluded: the general route divides), the sizes the
 collective needs, an input that is the output's own row or apart from it, a root of the group,
@@ -22,9 +22,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from .descriptor import encode
+from ..protocol.descriptor import encode
 from .call_args import overlaps, overlaps_elsewhere
-from .ops import dense, flat_bytes
+from ..python.ops import dense, flat_bytes
 from .stream import ShmWork
 
 __all__ = ["Direct"]
@@ -40,7 +40,7 @@ class Direct:
 
     def __init__(self, engine: Any, life: Any, seg: Any, lock: Any, on_error: Any, local: Sequence[int]) -> None:
         """``local``: the group's ranks in local-rank order (a single-node group: all of them)."""
-        from .channel import State
+        from ..protocol.channel import State
 
         self.engine, self.life, self.seg, self.lock, self.on_error = engine, life, seg, lock, on_error
         self._local = {rank: i for i, rank in enumerate(local)}

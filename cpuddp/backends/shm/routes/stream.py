@@ -1,7 +1,7 @@
 """Where a shm group's collectives run: in the caller's thread, or queued on one communication
 thread per group, always in issue order.
 
-The rule (``CPUDDP_SHM_ASYNC``, or :class:`~cpuddp.backends.shm.group.ShmOptions`
+The rule (``CPUDDP_SHM_ASYNC``, or :class:`~cpuddp.backends.shm.group.process_group.ShmOptions`
 ``async_comm``): a collective runs in the caller's thread unless the group was told that this
 rank has a CPU its compute threads do not use (a plan that leaves one free), or the user asked
 for the thread; then collectives of :data:`ASYNC_FROM` bytes and more are queued, and DDP's
@@ -12,7 +12,7 @@ DDP ran slower with it than without.
 Every collective returns a :class:`ShmWork`; its ``wait()`` raises the collective's error.
 
 The hand-off between the caller and the thread waits the way the ranks wait for each other
-(:mod:`cpuddp.backends.shm.wait`): the thread polls its queue, and ``wait()`` its collective,
+(:mod:`cpuddp.backends.shm.protocol.wait`): the thread polls its queue, and ``wait()`` its collective,
 for up to 2 ms (yielding the CPU) before blocking, so a collective queued right behind the last
 one, or one that ends soon after ``wait()`` was called, costs no sleep and wake-up of a thread.
 """
@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from cpuddp.errors import BackendError
 
-from .wait import spin_until
+from ..protocol.wait import spin_until
 
 __all__ = ["Stream", "ShmWork", "GatheredWork", "TimedWork", "async_setting", "ASYNC_VAR", "ASYNC_FROM"]
 

@@ -86,8 +86,8 @@ def dtype_name(code: int) -> str:
 
 class Pinned(list):
     """A call's tensors (its byte count) and descriptor fields its collective sets itself:
-    :func:`encode` takes ``fields`` as they are (:mod:`cpuddp.backends.shm.call_args` and
-    :mod:`cpuddp.backends.shm.sparse` pack all_to_all's dtype and a sparse tensor's layout)."""
+    :func:`encode` takes ``fields`` as they are (:mod:`cpuddp.backends.shm.routes.call_args` and
+    :mod:`cpuddp.backends.shm.python.sparse` pack all_to_all's dtype and a sparse tensor's layout)."""
 
     def __init__(self, items: Sequence[Any] = (), /, **fields: int) -> None:
         super().__init__(items)

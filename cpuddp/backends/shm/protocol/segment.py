@@ -12,9 +12,9 @@
   still apply -- so each slot lives in its writer's NUMA node.  A rank maps its own slots and
   the control lines ahead (``MADV_POPULATE_WRITE``); a peer's slot is mapped at its first read,
   which comes only in a round after the peer wrote it.
-  :mod:`cpuddp.backends.shm.placement` says where the pages are.
+  :mod:`cpuddp.backends.shm.protocol.placement` says where the pages are.
 * :func:`check_received` (the other local ranks): the descriptor handed over
-  (:mod:`cpuddp.backends.shm.handover`) is a regular file of this uid, mode 0600, of the size
+  (:mod:`cpuddp.backends.shm.protocol.handover`) is a regular file of this uid, mode 0600, of the size
   the layout needs, with this group's header.  Nothing is mapped because a store value says so.
 * :class:`Segment`: the mapping -- header words, per-rank control lines (arrival counter,
   posted and checked call numbers, state), descriptor rings and typed slot views.
@@ -92,7 +92,7 @@ class Segment:
         self.lines = [(ctypes.c_int64 * 6).from_buffer(self.mm, counters + i * shm_check.COUNTER_STRIDE)
                       for i in range(local_size)]
         # descriptor rings, entry-major: entry i of every rank side by side, so one comparison
-        # of those bytes agrees a call (cpuddp.backends.shm.descriptor)
+        # of those bytes agrees a call (cpuddp.backends.shm.protocol.descriptor)
         ring, desc = shm_check.ring_offset(local_size), shm_check.DESC_BYTES
         self.ring_at = [ring + i * local_size * desc for i in range(shm_check.RING)]
         self.rings = [[(ctypes.c_int64 * (desc // 8)).from_buffer(self.mm, self.ring_at[i] + r * desc)

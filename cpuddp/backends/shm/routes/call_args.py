@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from cpuddp.errors import BackendError
 
-from .descriptor import ANY, Pinned
+from ..protocol.descriptor import ANY, Pinned
 
 __all__ = ["one_tensor", "reduce_op", "options", "overlaps", "split_rows", "same_as_input", "root_of", "one_dtype"]
 

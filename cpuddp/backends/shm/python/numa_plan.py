@@ -3,14 +3,14 @@
 On a node with two or more NUMA nodes (sockets, or sub-NUMA clusters) a rank's reads of a slot
 that lives on another NUMA node cross the interconnect.  :func:`plan_numa` groups the node's
 local ranks by the NUMA node their CPUs are on, from each rank's allowed CPUs (the records the
-group already exchanges, :mod:`cpuddp.backends.shm.node`) and the CPU -> NUMA node map of
+group already exchanges, :mod:`cpuddp.backends.shm.protocol.node`) and the CPU -> NUMA node map of
 :func:`cpuddp.topology.read_topology`:
 
 * one group (every rank on one NUMA node), or any rank whose node is unknown (no CPUs, a CPU
   the map does not know) or ambiguous (CPUs on two nodes: an unpinned rank runs anywhere), or
   one rank per NUMA node (a second level would move the same bytes in one more round): the
   **single-level** plan, exactly the engine's one-level path
-  (:mod:`cpuddp.backends.shm.local`);
+  (:mod:`cpuddp.backends.shm.python.local`);
 * otherwise the **two-level** plan: a group per NUMA node, in ascending node id, each group's
   ranks in ascending local rank; its leader is its lowest local rank.
 
