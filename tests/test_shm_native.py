@@ -686,3 +686,114 @@ def _kept_works() -> dict:
 def test_a_work_the_caller_kept_is_never_reused_for_the_next_call():
     for r in run_distributed(_kept_works, 2, backend="shm", timeout=60):
         assert r == {"distinct": True, "first's": True, "second's": True}, r
+
+
+# --------------------------------------------------------------------------- the queue's edges, a hand-built library
+
+
+def _chained_in_the_window(inline: str) -> dict:
+    """A Work's callback (a comm hook that chains collectives, as PowerSGD does) queues a
+    collective just after this thread's call has drained the queue and before it runs: the
+    call must run after the queued one, never beside it on the same counters and slots.  The
+    window is made certain, not likely: this thread's drain waits until the callback queued
+    its call, and the callback queues it only after the drain looked (rank 1's 0.2 s late, so
+    the queued call is still waiting for it when rank 0's call runs).  ``inline``: ``native``
+    (an all_reduce of AVG, one native call in this thread) or ``python`` (an all_gather of the
+    list form, the Python engine): neither is ever queued."""
+    import threading
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from cpuddp.backends.shm.routes import progress
+
+    looked, queued = threading.Event(), threading.Event()
+    drain = progress.Progress.drain
+
+    def drain_then_let_the_callback_in(self):
+        drain(self)
+        looked.set()
+        queued.wait(10)
+
+    progress.Progress.drain = drain_then_let_the_callback_in
+    rank = dist.get_rank()
+    a, b = torch.ones(1 << 18), torch.ones(1 << 18) * (rank + 1)
+
+    def chain(fut):
+        looked.wait(10)
+        if rank == 1:
+            time.sleep(0.2)
+        work = dist.all_reduce(b, async_op=True)
+        queued.set()
+        return work
+
+    chained = dist.all_reduce(a, async_op=True).get_future().then(chain)
+    if inline == "native":
+        c = torch.ones(4) * (rank + 1)
+        dist.all_reduce(c, op=dist.ReduceOp.AVG)
+        got = c.tolist()
+    else:
+        c = torch.ones(4) * (rank + 1)
+        outs = [torch.empty(4) for _ in range(2)]
+        dist.all_gather(outs, c)
+        got = [o[0].item() for o in outs]
+    chained.wait().wait()
+    return {"inline": got, "chained": b[0].item(), "first": a[0].item()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("inline", ["native", "python"])
+def test_a_call_queued_by_a_callback_while_this_thread_drained_runs_before_this_threads_call(inline):
+    _lib()
+    want = {"native": [1.5] * 4, "python": [1.0, 2.0]}[inline]
+    for r in run_distributed(_chained_in_the_window, 2, backend="shm", timeout=60, args=(inline,),
+                             env={"CPUDDP_SHM_ASYNC": "1", "CPUDDP_SHM_NATIVE": "1"}):
+        assert r == {"inline": want, "chained": 3.0, "first": 2.0}, r
+
+
+def _calls_after_the_exit_stop() -> dict:
+    """At exit the progress threads stop (atexit) before anyone destroys the group; a collective
+    after that -- another exit handler, a framework's teardown -- runs in the caller's thread
+    (rank 1 comes late, so rank 0 waits in each)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from cpuddp.backends.shm.routes import progress
+
+    progress._stop_all()
+    small, big = torch.ones(8), torch.ones(1 << 18)
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
+    dist.all_reduce(small)
+    if dist.get_rank() == 1:
+        time.sleep(0.3)
+    dist.all_reduce(big)
+    dist.barrier()
+    return {"small": small[0].item(), "big": big[0].item()}
+
+
+@pytest.mark.slow
+def test_collectives_after_the_exit_time_stop_of_the_progress_thread_run_in_the_callers_thread():
+    _lib()
+    for r in run_distributed(_calls_after_the_exit_stop, 2, backend="shm", timeout=60,
+                             env={"CPUDDP_SHM_ASYNC": "1", "CPUDDP_SHM_NATIVE": "1"}):
+        assert r == {"small": 2.0, "big": 2.0}, r
+
+
+def test_a_library_built_without_the_source_digest_gets_a_token_from_its_own_bytes(tmp_path):
+    """A library built by hand (no ``CPUDDP_SRC_DIGEST``: its digest reads ``unknown``), loaded
+    where the sources are absent: the token a group agrees on comes from its bytes."""
+    cc = native_build.compiler()
+    if cc is None:
+        pytest.skip("no C compiler")
+    path = tmp_path / native_build.LIB_NAME
+    flags = [f for f in native_build.FLAGS if not f.startswith(("-W", "-O"))] + ["-O0"]  # quick to build
+    subprocess.run([cc, *flags, "-o", str(path), str(Path(native_build.HERE) / "engine.c")], check=True)
+    lib = native._Lib(str(path))
+    assert lib.digest() == b"unknown"
+    token = native._token(lib)
+    assert 0 < token < (1 << 63) and token == native._token(lib)
+    assert token != native._token(_lib())

@@ -1,8 +1,12 @@
 /* The shm engine's protocol with ranks as threads, for ThreadSanitizer (tests/test_shm_native.py,
  * .ci/native.sh): one segment laid out as cpuddp/backends/shm/protocol/check.py lays it out, N threads each
  * with its own context and liveness lock, ITERS rounds of every collective engine.c runs, each
- * result checked, then all_reduces queued on each rank's progress thread, and the thread
- * stopped.  Built together with engine.c (included), so the sanitizer sees its every access:
+ * result checked (64 KiB slots: all_reduces of one and of two rounds per chunk, several chunks),
+ * then a call resumed after AGAIN whose later wait must start its own clock, all_reduces queued
+ * on each rank's progress thread, the thread stopped, and a call in the caller's thread after
+ * that.  Each rank first has a call refused (an op its dtype has no kernel for), which must
+ * leave the context usable.  Built together with engine.c (included), so the sanitizer sees its
+ * every access:
  *   cc -fsanitize=thread -O1 -g -pthread -I cpuddp/backends/shm/native threads.c
  * Usage: threads RANKS ITERS; prints "ok" and exits 0, or names the first wrong value. */
 
@@ -12,7 +16,7 @@
 #include <stdio.h>
 #include <sys/mman.h>
 
-#define SLOT 8192
+#define SLOT 65536
 #define PAGE 4096
 #define ROUND_UP(x) (((x) + PAGE - 1) / PAGE * PAGE)
 
@@ -20,7 +24,7 @@ static int N, ITERS, FD;
 static char *BASE;
 /* every rank holds its liveness lock before any waits: a rank that waited on a peer whose thread
  * had not started yet (a loaded machine) would find it "dead", as the engine's hand-over rules out */
-static pthread_barrier_t STARTED;
+static pthread_barrier_t STARTED, PHASE;
 static int64_t COUNTERS_AT = PAGE, RING_AT, SLOTS_AT, TOTAL;
 
 static void entry(entry_t *e, int kind, int dtype, int op, int root, int64_t numel, int64_t m) {
@@ -34,6 +38,46 @@ static int run(ctx_t *c, entry_t *e, void *a, void *b) {
     int rc = cpuddp_shm_call(c, e, a, b);
     while (rc == RC_AGAIN) rc = cpuddp_shm_resume(c);
     return rc;
+}
+
+static void nap_ms(int ms) {
+    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
+    while (nanosleep(&ts, &ts)) {}
+}
+
+static void failed(int me, const char *what, int rc, const state_t *st) {
+    fprintf(stderr, "rank %d: %s: rc %d (peer %lld, where %lld, value %lld)\n", me, what, rc, (long long)st->err_peer,
+            (long long)st->err_where, (long long)st->err_value);
+    exit(1);
+}
+
+/* A wait resumed after AGAIN that finds its peers there at once has ended: the call's next wait
+ * starts its own clock.  Rank 0 waits in round 1 until its call returns AGAIN and stays away
+ * 700 ms (its peers arrive meanwhile and wait for it in the next round, until AGAIN, then stay
+ * away 1 s); back, it waits ~0.4 s for them in a later round: inside a timeout of 0.6 s counted
+ * from that wait's start, past it counted from round 1's. */
+static void resumed_clock(ctx_t *c, state_t *st, int me, float *f) {
+    enum { M = 2 * (SLOT / 4) }; /* two chunks */
+    entry_t e;
+    entry(&e, K_ALL_REDUCE, DT_F32, OPC_SUM, 0, M, M);
+    for (int64_t j = 0; j < M; j++) f[j] = (float)(me + j % 7);
+    int64_t timeout = c->timeout_ns;
+    c->timeout_ns = (int64_t)600 * 1000000;
+    pthread_barrier_wait(&PHASE);
+    if (me) nap_ms(100);
+    int rc = cpuddp_shm_call(c, &e, f, 0);
+    if (rc == RC_AGAIN) nap_ms(me ? 1000 : 700);
+    while (rc == RC_AGAIN) rc = cpuddp_shm_resume(c);
+    if (rc) failed(me, "the resumed all_reduce", rc, st);
+    c->timeout_ns = timeout;
+    for (int64_t j = 0; j < M; j++) {
+        float want = 0;
+        for (int r = 0; r < N; r++) want += (float)(r + j % 7);
+        if (f[j] != want) {
+            fprintf(stderr, "rank %d: resumed all_reduce[%lld] = %g, want %g\n", me, (long long)j, f[j], want);
+            exit(1);
+        }
+    }
 }
 
 static void *rank_main(void *arg) {
@@ -56,10 +100,14 @@ static void *rank_main(void *arg) {
         fprintf(stderr, "init refused\n");
         exit(2);
     }
-    float *f = malloc(sizeof(float) * 20000);
+    float *f = malloc(sizeof(float) * 40000);
     int32_t *ints = malloc(sizeof(int32_t) * 20000 * N);
-    int32_t *gathered = malloc(sizeof(int32_t) * 3000 * N);
+    int32_t *gathered = malloc(sizeof(int32_t) * 20000 * N);
     entry_t e;
+    /* a call prepare() refuses (no kernel for a bitwise op on floats): refused, the context still usable */
+    entry(&e, K_ALL_REDUCE, DT_F32, OPC_BAND, 0, 4, 4);
+    int refused = cpuddp_shm_call(c, &e, f, 0);
+    if (refused != RC_ARG) failed(me, "a bitwise all_reduce of float32 was not refused", refused, &st);
     for (int it = 0; it < ITERS; it++) {
         int64_t m = (it * 997) % 20000 + 1;
         for (int64_t j = 0; j < m; j++) f[j] = (float)(me + j % 5);
@@ -74,6 +122,21 @@ static void *rank_main(void *arg) {
             }
         }
         int root = it % N;
+        for (int64_t j = 0; j < m; j++) f[j] = (float)(me * 3 + j % 5);
+        entry(&e, K_REDUCE, DT_F32, OPC_SUM, root, m, m);
+        if (run(c, &e, f, 0)) goto failed;
+        for (int64_t j = 0; j < m; j++) {
+            float want = (float)(me * 3 + j % 5); /* a rank not the root keeps its input */
+            if (me == root) {
+                want = 0;
+                for (int r = 0; r < N; r++) want += (float)(r * 3 + j % 5);
+            }
+            if (f[j] != want) {
+                fprintf(stderr, "rank %d iter %d: reduce to %d [%lld] = %g, want %g\n", me, it, root, (long long)j, f[j],
+                        want);
+                exit(1);
+            }
+        }
         for (int64_t j = 0; j < m; j++) f[j] = me == root ? (float)j : -1.0f;
         entry(&e, K_BROADCAST, -1, 0, root, m * 4, m * 4);
         if (run(c, &e, f, 0)) goto failed;
@@ -82,7 +145,7 @@ static void *rank_main(void *arg) {
                 fprintf(stderr, "rank %d iter %d: broadcast[%lld] = %g\n", me, it, (long long)j, f[j]);
                 exit(1);
             }
-        int64_t k = it % 3000 + 1;
+        int64_t k = (it * 331) % 20000 + 1;
         int32_t *mine = gathered + me * k;
         for (int64_t j = 0; j < k; j++) mine[j] = me * 100000 + (int32_t)j;
         entry(&e, K_ALL_GATHER, -1, 0, 0, k * 4, k * 4);
@@ -109,6 +172,7 @@ static void *rank_main(void *arg) {
         entry(&e, K_BARRIER, -1, 0, 0, 0, 0);
         if (run(c, &e, 0, 0)) goto failed;
     }
+    resumed_clock(c, &st, me, f);
     /* the progress thread: QUEUED all_reduces submitted at once, their results taken in order,
      * then the thread stopped (its queue, the submit/stop lock and the result hand-over) */
     enum { QUEUED = 8, LEN = 3000 };
@@ -139,6 +203,12 @@ static void *rank_main(void *arg) {
         }
     }
     cpuddp_shm_stop(c);
+    /* after the thread stopped, a call in the caller's thread still waits for its peers */
+    pthread_barrier_wait(&PHASE);
+    if (me == N - 1) nap_ms(50);
+    entry(&e, K_BARRIER, -1, 0, 0, 0, 0);
+    int rc = run(c, &e, 0, 0);
+    if (rc) failed(me, "a barrier after the progress thread stopped", rc, &st);
     free(bufs), free(f), free(ints), free(gathered), free(c);
     return 0;
 failed:
@@ -159,7 +229,7 @@ int main(int argc, char **argv) {
     BASE = mmap(0, TOTAL, PROT_READ | PROT_WRITE, MAP_SHARED, FD, 0);
     if (BASE == MAP_FAILED) return 2;
     pthread_t th[64];
-    if (pthread_barrier_init(&STARTED, 0, (unsigned)N)) return 2;
+    if (pthread_barrier_init(&STARTED, 0, (unsigned)N) || pthread_barrier_init(&PHASE, 0, (unsigned)N)) return 2;
     for (int r = 0; r < N; r++) pthread_create(&th[r], 0, rank_main, (void *)(intptr_t)r);
     for (int r = 0; r < N; r++) pthread_join(th[r], 0);
     printf("ok: %d ranks, %d iterations\n", N, ITERS);

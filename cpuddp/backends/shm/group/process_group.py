@@ -247,10 +247,13 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._usable()
         ch = self._eng.ch  # type: ignore[union-attr]
         call = encode(kind, agreed, op=None if op is None else int(op), root=root)
-        if self._progress is not None:
-            self._progress.drain()  # issue order: the queued calls first
+        progress = self._progress
+        if progress is not None:
+            progress.drain()  # issue order: the queued calls first
 
         def run() -> None:
+            if progress is not None:
+                progress.wait_idle()  # under the exec lock: a call a Work's callback queued since, too
             ch.agree(call)
             body()
             ch.settle()  # a call with no round (nothing to move) is compared here
@@ -264,15 +267,22 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._usable()
         self._life.check_not_broken()
         call = encode(kind, agreed, op=None if op is None else int(op), root=root)
-        if self._progress is not None:
-            self._progress.drain()  # issue order: the queued calls first
-        return self._stream.run(lambda: run(call), result, lambda: sum(t.numel() * t.element_size() for t in agreed))
+        progress = self._progress
+        if progress is None:
+            return self._stream.run(lambda: run(call), result, lambda: sum(t.numel() * t.element_size() for t in agreed))
+        progress.drain()  # issue order: the queued calls first
+
+        def after_the_queue() -> None:
+            progress.wait_idle()  # under the exec lock: a call a Work's callback queued since, too
+            run(call)
+
+        return self._stream.run(after_the_queue, result, lambda: sum(t.numel() * t.element_size() for t in agreed))
 
     def _queues(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Does this call go to the progress thread: one is running, the tensors are dense (no
         staging copy to undo afterwards), and the call is big or others are queued (order)?"""
         progress = self._progress
-        if progress is None or not all(dense(t) for t in tensors):
+        if progress is None or progress.closed or not all(dense(t) for t in tensors):
             return False
         return bool(progress.pending()) or sum(t.numel() * t.element_size() for t in tensors) >= ASYNC_FROM
 

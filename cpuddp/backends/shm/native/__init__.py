@@ -56,6 +56,8 @@ W_POST, W_SETTLE, W_ROUND = 1, 2, 3
 K_ALL_REDUCE, K_BROADCAST, K_BARRIER, K_ALL_GATHER, K_REDUCE_SCATTER, K_REDUCE = range(1, 7)
 #: the agreement's dtype codes (cpuddp.backends.shm.protocol.descriptor) the library moves and reduces
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64")
+#: how long one wait inside the library's drain lasts before Python runs again (signal handlers)
+_DRAIN_NS = 50_000_000
 _OFF = ("0", "false", "no", "off")
 _ON = ("1", "true", "yes", "on")
 
@@ -109,6 +111,7 @@ class _Lib:
             "cpuddp_shm_submit": (i64, [vp, vp, vp, vp]),
             "cpuddp_shm_wait": (i32, [vp, i64, i64, vp]),
             "cpuddp_shm_pending": (i64, [vp]),
+            "cpuddp_shm_drain": (i32, [vp, i64]),
             "cpuddp_shm_stop": (None, [vp]),
         }
         for name, (res, args) in sigs.items():
@@ -241,8 +244,20 @@ def status(environ: Mapping[str, str] = os.environ) -> Tuple[bool, str]:
 
 
 def _token(lib: Optional[_Lib]) -> int:
-    """What this rank writes into its control line: its library's digest (as a number), or 0."""
-    return 0 if lib is None else 1 + int(lib.digest().decode() or "0", 16) % (1 << 62)
+    """What this rank writes into its control line: its library's source digest as a number (1
+    and up), or 0 without one.  A library built without the digest (by hand: it reads
+    ``unknown``, and loads only where the sources are absent) is known by its own bytes."""
+    if lib is None:
+        return 0
+    digest = lib.digest().decode()
+    try:
+        value = int(digest, 16)
+    except ValueError:
+        import hashlib
+
+        with open(lib.path, "rb") as f:
+            value = int(hashlib.sha256(f.read()).hexdigest()[:16], 16)
+    return 1 + value % (1 << 62)
 
 
 def form(ch: Any, peers: Mapping[int, Any], timeout: float, word: int, environ: Mapping[str, str] = os.environ
@@ -367,8 +382,19 @@ class Engine:
         return e, out.data_ptr(), inp.data_ptr()
 
     def run(self, call: Any, job: Tuple[Any, Optional[int], Optional[int]]) -> None:
-        """Run ``job`` (one collective's) in this thread."""
-        self.done(self._call(self.ctx, *job), call)
+        """Run ``job`` (one collective's) in this thread; calls still queued on the progress
+        thread run first (``RC_BUSY``: the library did nothing yet)."""
+        rc = self._call(self.ctx, *job)
+        if rc == RC_BUSY:
+            self.drain()
+            rc = self._call(self.ctx, *job)
+        self.done(rc, call)
+
+    def drain(self) -> None:
+        """Wait until the progress thread has run every call queued so far (their results stay
+        for its waiter); at once where none is queued or no thread runs."""
+        while self.lib.drain(self.ctx, _DRAIN_NS) == RC_AGAIN:  # back in Python now and then: signals
+            pass
 
     # ------------------------------------------------------------------ results
 

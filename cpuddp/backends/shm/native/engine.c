@@ -14,7 +14,10 @@
  * counter showed the value.  A slot of parity p is written again only two rounds later, after
  * every peer arrived at the round between (which each does only after its reads); a ring entry
  * only after every peer's `checked` passed the call that used it.  The Python engine's plain
- * stores are the same release stores on x86 (TSO); on other CPUs only this path runs.
+ * stores are the same release stores on x86 (TSO) only: on any other CPU (aarch64) a group may
+ * run this path alone, never the Python one -- which is why, today, the group refuses CPUs that
+ * are not x86 (cpuddp/backends/shm/group/process_group.py); this file builds and runs its
+ * protocol tests on aarch64 (tests/native/threads.c under qemu, .ci/native.sh).
  *
  * Waiting: spin with a pause, then (when every rank has its own CPU) sched_yield for 2 ms, then
  * a shared futex on the segment's bell word, which a rank rings after raising a counter
@@ -164,6 +167,7 @@ typedef struct {
     int64_t o, k, e;                      /* this chunk: offset, elements, first round */
     int64_t wait_start, call_start;       /* ns */
     int64_t slice_ns;                     /* return AGAIN after waiting this long in one call (0: never) */
+    int queued;                           /* run by the progress thread: a stop ends its waits */
     rows_fn fn;
     int64_t desc[7];
 } op_t;
@@ -300,25 +304,29 @@ static int fail(ctx_t *c, int rc, int peer, int where, int64_t value) {
     return rc;
 }
 
+/* a wait ended: the call's next wait starts its own clock (also when a wait resumed after AGAIN
+ * finds every peer there at once) */
+static inline int done_waiting(op_t *op) {
+    op->wait_start = 0;
+    return RC_OK;
+}
+
 /* wait until every local rank's word w (but this rank's when skip_me) is at least v */
 static int wait_words(ctx_t *c, int w, int64_t v, int skip_me, int where) {
-    if (late_rank(c, w, v, skip_me) < 0) return RC_OK;
     op_t *op = &c->op;
+    if (late_rank(c, w, v, skip_me) < 0) return done_waiting(op);
     int64_t start = now_ns(), now = start;
     while (now - start < SPIN_FIRST) {
         for (int i = 0; i < 16; i++) cpu_relax();
-        if (late_rank(c, w, v, skip_me) < 0) return RC_OK;
+        if (late_rank(c, w, v, skip_me) < 0) return done_waiting(op);
         now = now_ns();
     }
     if (!op->wait_start) op->wait_start = start;
     int64_t check_at = now + CHECK_EVERY;
     for (;;) {
         int late = late_rank(c, w, v, skip_me);
-        if (late < 0) {
-            op->wait_start = 0;
-            return RC_OK;
-        }
-        if (__atomic_load_n(&c->q.closing, __ATOMIC_ACQUIRE)) return fail(c, RC_CLOSED, late, where, v);
+        if (late < 0) return done_waiting(op);
+        if (op->queued && __atomic_load_n(&c->q.closing, __ATOMIC_ACQUIRE)) return fail(c, RC_CLOSED, late, where, v);
         int64_t aborted = LOAD((int64_t *)c->base + W_ABORT);
         if (aborted) {
             int rc = early_compare(c); /* a mismatch a peer found is this rank's error too */
@@ -671,6 +679,7 @@ static int prepare(ctx_t *c, const entry_t *en, void *a, void *b, int64_t slice_
         en->root < 0 || en->root >= c->n)
         return RC_ARG;
     memset(p, 0, sizeof *p);
+    p->step = -1; /* no call in progress until this one is ready (a refused call leaves none) */
     p->kind = (int)en->kind;
     p->dtype = (int)en->dtype;
     p->op = (int)en->op;
@@ -698,11 +707,12 @@ static int pending(ctx_t *c) {
     return __atomic_load_n(&c->q.head, __ATOMIC_ACQUIRE) != __atomic_load_n(&c->q.tail, __ATOMIC_ACQUIRE);
 }
 
-/* run one collective in the caller's thread; RC_BUSY while the progress thread holds calls
- * (issue order: queue it behind them) */
+/* run one collective in the caller's thread.  RC_BUSY: the progress thread holds calls queued
+ * before this one, which must run first (issue order) -- nothing was done; the caller waits
+ * for them (cpuddp_shm_drain), then calls again */
 int cpuddp_shm_call(ctx_t *c, const entry_t *en, void *a, void *b) {
+    if (c->q.started && pending(c)) return RC_BUSY; /* first: the thread's call owns c->op */
     if (c->op.step != -1) return RC_ARG; /* a call is in progress: resume it */
-    if (c->q.started && pending(c)) return RC_BUSY;
     int rc = prepare(c, en, a, b, SLICE);
     if (rc) return rc;
     rc = drive(c);
@@ -749,7 +759,10 @@ static void *progress(void *arg) {
         }
         job_t *j = &q->jobs[t % QUEUE];
         int rc = __atomic_load_n(&q->closing, __ATOMIC_ACQUIRE) ? RC_CLOSED : prepare(c, &j->en, j->a, j->b, 0);
-        if (rc == RC_OK) rc = drive(c);
+        if (rc == RC_OK) {
+            c->op.queued = 1;
+            rc = drive(c);
+        }
         c->op.step = -1;
         j->err[0] = c->st->err_peer, j->err[1] = c->st->err_where, j->err[2] = c->st->err_value;
         j->rc = rc;
@@ -772,7 +785,9 @@ int cpuddp_shm_start(ctx_t *c) {
     return RC_OK;
 }
 
-/* queue one call; its ticket (>= 0), or -RC_BUSY when the queue is full, -RC_CLOSED after stop */
+/* queue one call; its ticket (>= 0), or -RC_CLOSED after stop, or -RC_BUSY: the queue holds
+ * QUEUE calls whose results were not taken -- nothing was done; the caller takes the oldest
+ * result (cpuddp_shm_wait), then submits again */
 int64_t cpuddp_shm_submit(ctx_t *c, const entry_t *en, void *a, void *b) {
     queue_t *q = &c->q;
     if (!q->started) return -RC_CLOSED;
@@ -819,12 +834,30 @@ int cpuddp_shm_wait(ctx_t *c, int64_t ticket, int64_t timeout_ns, int64_t *err) 
     return rc;
 }
 
+/* wait (GIL released by ctypes) up to timeout_ns until the thread has run every call queued so
+ * far: RC_OK, or RC_AGAIN (call again).  What a caller does on RC_BUSY; their results stay
+ * for cpuddp_shm_wait */
+int cpuddp_shm_drain(ctx_t *c, int64_t timeout_ns) {
+    queue_t *q = &c->q;
+    int64_t last = __atomic_load_n(&q->tail, __ATOMIC_ACQUIRE) - 1;
+    int64_t end = now_ns() + timeout_ns;
+    while (__atomic_load_n(&q->head, __ATOMIC_ACQUIRE) <= last) {
+        int64_t left = end - now_ns();
+        if (left <= 0) return RC_AGAIN;
+        /* the last job's done word: set before head passes it (a later submit may reuse its
+         * place only after head passed it: then the loop ends at its next look) */
+        futex_wait(&q->jobs[last % QUEUE].done, 0, left < 1000000 ? left : 1000000);
+    }
+    return RC_OK;
+}
+
 /* calls queued and not finished */
 int64_t cpuddp_shm_pending(ctx_t *c) {
     return __atomic_load_n(&c->q.tail, __ATOMIC_ACQUIRE) - __atomic_load_n(&c->q.head, __ATOMIC_ACQUIRE);
 }
 
-/* stop the thread: a call waiting for peers ends with RC_CLOSED, queued ones too; joined */
+/* stop the thread: a queued call waiting for peers ends with RC_CLOSED, the ones behind it too;
+ * joined.  A call in the caller's thread is not the thread's: it runs and waits as before */
 void cpuddp_shm_stop(ctx_t *c) {
     queue_t *q = &c->q;
     if (!q->started) return;
@@ -834,7 +867,8 @@ void cpuddp_shm_stop(ctx_t *c) {
     __atomic_fetch_add(&q->bell, 1, __ATOMIC_RELEASE);
     futex_wake(&q->bell);
     pthread_join(q->thread, NULL);
-    q->started = 0;
+    q->started = 0; /* later submits get RC_CLOSED; calls in the caller's thread wait as before */
+    __atomic_store_n(&q->closing, 0, __ATOMIC_RELEASE);
 }
 
 /* the kernels alone (tests): out = rows[0] op rows[1] ... at width isa */

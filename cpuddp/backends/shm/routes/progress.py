@@ -21,8 +21,11 @@ and may not use the group (the group refuses it), nor stop it.  At exit every ru
 stopped (after up to 2 s for its queued calls), also for a group nobody destroyed.
 
 Order: a call that runs in the caller's thread (small, or staged, or on the Python path) first
-waits for every queued one (:meth:`drain`); ``engine.c`` refuses an inline call while any is
-queued (``RC_BUSY``), so the order cannot be broken by mistake.
+waits for the Works of every queued one (:meth:`drain`), then -- holding the group's exec lock,
+so nothing can be queued meanwhile, not even by a Work's callback -- until the library has run
+every call queued so far (:meth:`wait_idle`), and only then touches the counters and slots.
+``engine.c`` refuses an inline call while any is queued (``RC_BUSY``: the binding waits for
+them, then calls again), so the order cannot be broken by mistake.
 """
 
 from __future__ import annotations
@@ -78,6 +81,12 @@ class Progress:
         self._pid = os.getpid()
         _live.add(self)
 
+    @property
+    def closed(self) -> bool:
+        """Was the thread stopped (the group left, or the process exiting)?  Calls then run in
+        the caller's thread."""
+        return self._closed
+
     def pending(self) -> int:
         """Calls queued and not completed (their futures not yet set)."""
         return len(self._jobs)
@@ -116,10 +125,7 @@ class Progress:
         """Wait until every queued call completed (its error, if any, is its Work's and the group's).
         In the waiter (a future's callback issuing a collective): until the library ran them all."""
         if threading.current_thread() is self._waiter:
-            import time
-
-            while self._pending(self.engine.ctx) > 0:
-                time.sleep(0.0001)
+            self.engine.drain()
             return
         while True:
             fut = self._oldest()
@@ -129,6 +135,12 @@ class Progress:
                 fut.wait()
             except Exception:  # noqa: BLE001 - the call's own Work raises it; the group is broken
                 pass
+
+    def wait_idle(self) -> None:
+        """Wait until the library has run every call queued so far (not their Works: the waiter
+        completes those).  A call about to run in the caller's thread does this holding the
+        group's exec lock, which every submit takes: no call queued meanwhile runs beside it."""
+        self.engine.drain()
 
     def _loop(self) -> None:
         err = (ctypes.c_int64 * 3)()
