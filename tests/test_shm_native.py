@@ -96,7 +96,7 @@ def test_the_build_is_position_independent_c_with_no_march_and_no_fast_math():
     included = set(re.findall(r'#include [<"]([^>"]+)[>"]', source))
     assert included <= {"errno.h", "fcntl.h", "limits.h", "linux/futex.h", "poll.h", "pthread.h", "sched.h",
                         "signal.h", "stdint.h", "stdlib.h", "string.h", "sys/syscall.h", "time.h", "unistd.h",
-                        "kernels.h"}, included
+                        "kernels.h", "layout.h"}, included
 
 
 # --------------------------------------------------------------------------- kernels, bit for bit
@@ -688,7 +688,7 @@ def test_a_work_the_caller_kept_is_never_reused_for_the_next_call():
         assert r == {"distinct": True, "first's": True, "second's": True}, r
 
 
-# --------------------------------------------------------------------------- the queue's edges, a hand-built library
+# --------------------------------------------------------------------------- the queue's edges
 
 
 def _chained_in_the_window(inline: str) -> dict:
@@ -781,19 +781,3 @@ def test_collectives_after_the_exit_time_stop_of_the_progress_thread_run_in_the_
     for r in run_distributed(_calls_after_the_exit_stop, 2, backend="shm", timeout=60,
                              env={"CPUDDP_SHM_ASYNC": "1", "CPUDDP_SHM_NATIVE": "1"}):
         assert r == {"small": 2.0, "big": 2.0}, r
-
-
-def test_a_library_built_without_the_source_digest_gets_a_token_from_its_own_bytes(tmp_path):
-    """A library built by hand (no ``CPUDDP_SRC_DIGEST``: its digest reads ``unknown``), loaded
-    where the sources are absent: the token a group agrees on comes from its bytes."""
-    cc = native_build.compiler()
-    if cc is None:
-        pytest.skip("no C compiler")
-    path = tmp_path / native_build.LIB_NAME
-    flags = [f for f in native_build.FLAGS if not f.startswith(("-W", "-O"))] + ["-O0"]  # quick to build
-    subprocess.run([cc, *flags, "-o", str(path), str(Path(native_build.HERE) / "engine.c")], check=True)
-    lib = native._Lib(str(path))
-    assert lib.digest() == b"unknown"
-    token = native._token(lib)
-    assert 0 < token < (1 << 63) and token == native._token(lib)
-    assert token != native._token(_lib())

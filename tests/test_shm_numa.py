@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from cpuddp.backends.shm.protocol import check as shm_check
-from cpuddp.backends.shm.protocol.placement import PAGE, page_nodes, slot_nodes
+from cpuddp.backends.shm.protocol.placement import OS_PAGE as PAGE, page_nodes, slot_nodes
 from cpuddp.backends.shm.protocol.segment import Segment, create_segment
 from cpuddp.testing import run_distributed
 

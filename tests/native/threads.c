@@ -1,12 +1,12 @@
 /* The shm engine's protocol with ranks as threads, for ThreadSanitizer (tests/test_shm_native.py,
- * .ci/native.sh): one segment laid out as cpuddp/backends/shm/protocol/check.py lays it out, N threads each
- * with its own context and liveness lock, ITERS rounds of every collective engine.c runs, each
- * result checked (64 KiB slots: all_reduces of one and of two rounds per chunk, several chunks),
- * then a call resumed after AGAIN whose later wait must start its own clock, all_reduces queued
- * on each rank's progress thread, the thread stopped, and a call in the caller's thread after
- * that.  Each rank first has a call refused (an op its dtype has no kernel for), which must
- * leave the context usable.  Built together with engine.c (included), so the sanitizer sees its
- * every access:
+ * .ci/native.sh): one segment laid out as cpuddp/backends/shm/protocol/check.py lays it out, by
+ * layout.h's numbers; N threads each with its own context and liveness lock; ITERS rounds of
+ * every collective engine.c runs, each result checked (64 KiB slots: all_reduces of one and of
+ * two rounds per chunk, several chunks); then a call resumed after AGAIN whose later wait must
+ * start its own clock, all_reduces queued on each rank's progress thread, the thread stopped,
+ * and a call in the caller's thread after that.  Each rank first has a call refused (an op its
+ * dtype has no kernel for), which must leave the context usable.  Built together with engine.c
+ * (included), so the sanitizer sees its every access:
  *   cc -fsanitize=thread -O1 -g -pthread -I cpuddp/backends/shm/native threads.c
  * Usage: threads RANKS ITERS; prints "ok" and exits 0, or names the first wrong value. */
 
@@ -16,8 +16,7 @@
 #include <stdio.h>
 #include <sys/mman.h>
 
-#define SLOT 65536
-#define PAGE 4096
+#define SLOT 65536 /* PAGE, LINE, RING, DESC and the structs: layout.h's, through engine.c */
 #define ROUND_UP(x) (((x) + PAGE - 1) / PAGE * PAGE)
 
 static int N, ITERS, FD;
@@ -29,7 +28,7 @@ static int64_t COUNTERS_AT = PAGE, RING_AT, SLOTS_AT, TOTAL;
 
 static void entry(entry_t *e, int kind, int dtype, int op, int root, int64_t numel, int64_t m) {
     memset(e, 0, sizeof *e);
-    int64_t d[7] = {kind, op, dtype, numel, root, 1, -1};
+    int64_t d[DESC_WORDS] = {kind, op, dtype, numel, root, 1, -1};
     memcpy(e->desc, d, sizeof d);
     e->kind = kind, e->dtype = dtype, e->op = op, e->root = root, e->numel = numel, e->m = m;
 }

@@ -78,7 +78,7 @@ from ..routes.progress import Progress
 from ..routes.route import CALLS, Route, WorldRoute
 from ..routes.route_native import NativeRoute
 from ..routes.route_node import CrossRoute, NodeRoute
-from ..protocol.segment import C_NATIVE
+from ..native.layout import C_NATIVE
 from ..routes.stream import ASYNC_FROM, GatheredWork, Stream, TimedWork, async_setting
 from ..protocol.wait import Waiter
 

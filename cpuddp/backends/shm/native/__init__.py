@@ -6,10 +6,11 @@ it orders memory); ctypes releases the GIL for it.  This module:
 * **loads** the library from this package's own directory only (:data:`~.build.LIB_NAME`, built
   by ``pip install`` when a C compiler is there -- ``setup.py`` -- or by ``python -m
   cpuddp.backends.shm.native.build``), and only when it is this user's or root's and nobody
-  else can write it or its directory, its ABI and source digest are this package's, and it passes a
-  self-test at every vector width the CPU has (:func:`load`).  Anything else: the Python engine
-  runs, and :func:`status` says why (``cpuddp doctor``'s ``shm data path`` line; the group's
-  reason in the log).
+  else can write it or its directory, its ABI and source digest are this package's, it was built
+  from this package's ``layout.h`` (every value, and the sizes of the structs the binding
+  shares: :mod:`.layout`), and it passes a self-test at every vector width the CPU has
+  (:func:`load`).  Anything else: the Python engine runs, and :func:`status` says why
+  (``cpuddp doctor``'s ``shm data path`` line; the group's reason in the log).
 * **settings**: ``CPUDDP_SHM_NATIVE`` -- ``0`` forces the Python engine, ``1`` requires the
   native one (an error where it cannot load), unset or ``auto`` uses it where it loads;
   ``CPUDDP_SHM_ISA`` -- ``scalar``, ``avx2`` or ``avx512`` (a width the CPU has; default the
@@ -27,8 +28,10 @@ it orders memory); ctypes releases the GIL for it.  This module:
   up, the timeout).
 
 Owns: the library's loading, settings and binding, and the path a node agrees on; the C sources
-(``engine.c``, ``kernels.h``) and their build (:mod:`.build`).  It is handed the segment and
-channel it works over: it imports no other module of the shm backend.
+(``engine.c``, ``kernels.h``), their build (:mod:`.build`), and ``layout.h`` -- the segment's
+layout, the library's interface and the wait policy, defined once -- with its reader
+(:mod:`.layout`), which the Python engine uses too.  It is handed the segment and channel it
+works over: it imports no other module of the shm backend.
 May import: :mod:`cpuddp.errors`
 """
 
@@ -39,21 +42,22 @@ import os
 import stat
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from . import layout
+from .layout import (ABI, AT_POST, AT_ROUND, AT_SETTLE, DESC_WORDS, ENTRY_FIELDS, K_ALL_GATHER, K_ALL_REDUCE,
+                     K_BARRIER, K_BROADCAST, K_REDUCE, K_REDUCE_SCATTER, RC_ABORT, RC_AGAIN, RC_BUSY, RC_CLOSED,
+                     RC_DEAD, RC_LEFT, RC_MISMATCH, RC_OK, RC_TIMEOUT, STATE_FIELDS)
+
 
 __all__ = ["Counters", "VAR", "ISA_VAR", "ISAS", "setting", "isa_setting", "load", "status", "form", "Engine",
            "DTYPES", "Unavailable"]
 
 VAR = "CPUDDP_SHM_NATIVE"
 ISA_VAR = "CPUDDP_SHM_ISA"
-#: vector widths, by engine.c's codes
-ISAS = ("scalar", "avx2", "avx512")
-ABI = 1
-#: engine.c's results
-RC_OK, RC_AGAIN, RC_MISMATCH, RC_DEAD, RC_LEFT, RC_ABORT, RC_TIMEOUT, RC_ARG, RC_BUSY, RC_CLOSED = range(10)
-#: where a failed wait was
-W_POST, W_SETTLE, W_ROUND = 1, 2, 3
-#: engine.c's collectives
-K_ALL_REDUCE, K_BROADCAST, K_BARRIER, K_ALL_GATHER, K_REDUCE_SCATTER, K_REDUCE = range(1, 7)
+#: vector widths, by their codes (layout.h's ISA_*)
+ISAS = tuple(name[len("ISA_"):].lower() for name, _ in
+             sorted(((n, v) for n, v in layout.VALUES.items() if n.startswith("ISA_")), key=lambda nv: nv[1]))
+#: int64 words of a prepared call (engine.c's entry_t): the descriptor's, then :data:`ENTRY_FIELDS`
+ENTRY_WORDS = DESC_WORDS + len(ENTRY_FIELDS)
 #: the agreement's dtype codes (cpuddp.backends.shm.protocol.descriptor) the library moves and reduces
 DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16", "int32", "int64")
 #: how long one wait inside the library's drain lasts before Python runs again (signal handlers)
@@ -67,10 +71,10 @@ class Unavailable(Exception):
 
 
 class Counters(ctypes.Structure):
-    """A channel's counters, shared by the Python engine and ``engine.c`` (its ``state_t``)."""
+    """A channel's counters, shared by the Python engine and ``engine.c`` (its ``state_t``:
+    layout.h's ``CPUDDP_SHM_STATE_FIELDS``)."""
 
-    _fields_ = [(name, ctypes.c_int64) for name in
-                ("seq", "epoch", "calls", "unchecked", "err_peer", "err_where", "err_value")]
+    _fields_ = [(name, ctypes.c_int64) for name in STATE_FIELDS]
 
 
 def setting(environ: Mapping[str, str] = os.environ) -> Optional[bool]:
@@ -103,6 +107,10 @@ class _Lib:
             "cpuddp_shm_ctx_size": (i64, []),
             "cpuddp_shm_init": (i32, [vp, vp, vp, i64, i64, i64, i64, i64, i32, i32, i32, vp, i32, i32, i64]),
             "cpuddp_shm_entry_size": (i64, []),
+            "cpuddp_shm_state_size": (i64, []),
+            "cpuddp_shm_layout_count": (i32, []),
+            "cpuddp_shm_layout_name": (ctypes.c_char_p, [i32]),
+            "cpuddp_shm_layout_value": (i64, [i32]),
             "cpuddp_shm_call": (i32, [vp, vp, vp, vp]),
             "cpuddp_shm_resume": (i32, [vp]),
             "cpuddp_shm_drop": (None, [vp]),
@@ -133,6 +141,29 @@ def _trusted(path: str) -> Optional[str]:
             return f"{what} {p} belongs to uid {st.st_uid}"
         if st.st_mode & 0o022:
             return f"{what} {p} is writable by others (mode {oct(st.st_mode & 0o777)})"
+    return None
+
+
+def _abi(path: str) -> int:
+    """The ABI of the library at ``path`` (asked before anything else of it is looked up)."""
+    fn = ctypes.CDLL(path).cpuddp_shm_abi
+    fn.restype, fn.argtypes = ctypes.c_int, []
+    return int(fn())
+
+
+def _layout_problem(lib: _Lib) -> Optional[str]:
+    """How the library's layout.h differs from this package's (a value, or a struct's size), or None."""
+    theirs = {lib.layout_name(i).decode(): int(lib.layout_value(i)) for i in range(lib.layout_count())}
+    for name, value in layout.VALUES.items():
+        if theirs.get(name) != value:
+            return f"its {name} is {theirs.get(name, 'missing')}, this package's {value}"
+    extra = sorted(set(theirs) - set(layout.VALUES))
+    if extra:
+        return f"it has {', '.join(extra)}, which this package's layout.h lacks"
+    for what, got, want in (("entry_t", lib.entry_size(), 8 * ENTRY_WORDS),
+                            ("state_t", lib.state_size(), ctypes.sizeof(Counters))):
+        if got != want:
+            return f"its {what} has {got} bytes, this package's {want}"
     return None
 
 
@@ -185,11 +216,12 @@ def _load() -> Tuple[Optional[_Lib], str]:
     if why is not None:
         return None, f"{why}: not loaded"
     try:
+        abi = _abi(path)
+        if abi != ABI:
+            return None, f"its library has ABI {abi}, this package {ABI}: rebuild it (pip install again)"
         lib = _Lib(path)
     except (OSError, AttributeError) as exc:
         return None, f"its library does not load: {exc}"
-    if lib.abi() != ABI:
-        return None, f"its library has ABI {lib.abi()}, this package {ABI}: rebuild it (pip install again)"
     try:
         want = _build.digest()
     except OSError:
@@ -197,6 +229,10 @@ def _load() -> Tuple[Optional[_Lib], str]:
     got = lib.digest().decode()
     if want is not None and got != want:
         return None, ("its library was built from other sources (an older build); rebuild it: pip install again, "
+                      "or 'python -m cpuddp.backends.shm.native.build'")
+    problem = _layout_problem(lib)
+    if problem is not None:
+        return None, (f"its library was built from another layout.h ({problem}); rebuild it: pip install again, "
                       "or 'python -m cpuddp.backends.shm.native.build'")
     problem = _self_test(lib)
     if problem is not None:
@@ -347,7 +383,8 @@ class Engine:
         if e is None:
             if len(self._entries) >= 4096:
                 self._entries.clear()
-            e = self._entries[key] = (ctypes.c_int64 * 13)(*call.words(), kind, dtype, op, root, numel, m)
+            fields = {"kind": kind, "dtype": dtype, "op": op, "root": root, "numel": numel, "m": m}
+            e = self._entries[key] = (ctypes.c_int64 * ENTRY_WORDS)(*call.words(), *(fields[f] for f in ENTRY_FIELDS))
         return e
 
     def all_reduce(self, call: Any, flat: Any, code: Any) -> Tuple[Any, int, Optional[int]]:
@@ -428,9 +465,9 @@ class Engine:
         import torch.distributed as dist
 
         ch = self.ch
-        what = {W_POST: f"call #{value} to be checked",
-                W_SETTLE: f"collective call #{value} ({ch.describe(call)})",
-                W_ROUND: f"a shared-memory round ({value})"}.get(where, "a collective")
+        what = {AT_POST: f"call #{value} to be checked",
+                AT_SETTLE: f"collective call #{value} ({ch.describe(call)})",
+                AT_ROUND: f"a shared-memory round ({value})"}.get(where, "a collective")
         if rc == RC_MISMATCH:
             ch.ring.mismatch(value, call, ch.local)
         elif rc in (RC_DEAD, RC_LEFT):

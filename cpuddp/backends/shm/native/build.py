@@ -24,8 +24,8 @@ __all__ = ["HERE", "LIB_NAME", "SOURCES", "FLAGS", "compiler", "digest", "build"
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIB_NAME = "libcpuddp_shm.so"
-#: the files the library is built from (engine.c includes kernels.h)
-SOURCES = ("engine.c", "kernels.h")
+#: the files the library is built from (engine.c includes kernels.h and layout.h)
+SOURCES = ("engine.c", "kernels.h", "layout.h")
 FLAGS = ("-O3", "-std=c11", "-fPIC", "-shared", "-pthread", "-fno-fast-math", "-ffp-contract=off",
          "-fvisibility=default", "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-unused-function")
 SANITIZERS = {"address,undefined": ("-fsanitize=address,undefined", "-fno-omit-frame-pointer", "-O1", "-g"),

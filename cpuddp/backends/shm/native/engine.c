@@ -19,12 +19,12 @@
  * are not x86 (cpuddp/backends/shm/group/process_group.py); this file builds and runs its
  * protocol tests on aarch64 (tests/native/threads.c under qemu, .ci/native.sh).
  *
- * Waiting: spin with a pause, then (when every rank has its own CPU) sched_yield for 2 ms, then
- * a shared futex on the segment's bell word, which a rank rings after raising a counter
- * whenever a waiter has said it sleeps.  Inside the wait, every 20 ms: is each late peer alive
- * (its kernel-held lock on the segment, its pidfd), has it left, did a rank give up (the abort
- * word), and does a peer's descriptor already differ.  A wait returns AGAIN after 50 ms so the
- * caller's thread can run Python's signal handlers; the call resumes where it stopped.
+ * Waiting: the wait policy of layout.h (pause, sched_yield, then the segment's futex; the
+ * late peers looked at every WAIT_CHECK_NS; RC_AGAIN every WAIT_SLICE_NS, so the caller's
+ * thread runs Python's signal handlers and the call resumes where it stopped).
+ *
+ * The segment's layout, this library's interface (results, collectives, the structs its binding
+ * shares) and the wait's numbers are layout.h's, which Python reads too: defined there once.
  *
  * Bounds: every offset and length comes from the context the binding set up (from the
  * segment's checked layout), the call's own arguments, or arithmetic on them; nothing is read
@@ -47,46 +47,16 @@
 #include <time.h>
 #include <unistd.h>
 
-#define ABI 1
+#include "layout.h"
 
-/* results */
-enum { RC_OK = 0, RC_AGAIN = 1, RC_MISMATCH = 2, RC_DEAD = 3, RC_LEFT = 4, RC_ABORT = 5, RC_TIMEOUT = 6, RC_ARG = 7,
-       RC_BUSY = 8, RC_CLOSED = 9 };
-/* where a wait was (err_where) */
-enum { W_POST = 1, W_SETTLE = 2, W_ROUND = 3 };
 /* dtypes (cpuddp.backends.shm.protocol.descriptor's codes) */
 enum { DT_F32 = 0, DT_F64 = 1, DT_F16 = 2, DT_BF16 = 3, DT_I8 = 4, DT_U8 = 5, DT_I16 = 6, DT_I32 = 7, DT_I64 = 8 };
 /* reduce ops (torch's ReduceOp codes) */
 enum { OPC_SUM = 0, OPC_AVG = 1, OPC_PROD = 2, OPC_MIN = 3, OPC_MAX = 4, OPC_BAND = 5, OPC_BOR = 6, OPC_BXOR = 7 };
-/* collectives this file runs */
-enum { K_ALL_REDUCE = 1, K_BROADCAST = 2, K_BARRIER = 3, K_ALL_GATHER = 4, K_REDUCE_SCATTER = 5, K_REDUCE = 6 };
-/* (the binding's KINDS; its ENTRY fields mirror entry_t) */
-/* vector widths */
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512 = 2 };
-
-/* segment layout facts shared with cpuddp/backends/shm/protocol/segment.py and check.py */
-#define W_ABORT 4          /* header int64 word: local rank + 1 of the first rank that gave up */
-#define BELL_AT 128        /* header byte: the futex word (uint32) rung after a counter rises */
-#define SLEEPERS_AT 192    /* header byte: how many waiters sleep on the bell (int32) */
-#define C_ARRIVED 0        /* control line int64 words */
-#define C_POSTED 1
-#define C_CHECKED 2
-#define C_STATE 3
-#define STATE_LEFT 1
-#define LINE 128           /* bytes per control line */
-#define RING 16
-#define DESC 64            /* bytes per descriptor entry: call number + 7 words */
-#define MAX_RANKS 256
-#define ALIGN 64
+#define MAX_RANKS 256      /* local ranks a context takes */
 #define SMALL 32768        /* all_reduce chunks up to this many bytes: one round, every rank sums all rows */
-
-#define SPIN_FIRST 2000        /* ns of pause-spinning before anything else */
-#define YIELD_FOR 2000000      /* ns of sched_yield polling when every rank has its own CPU */
-#define YIELD_SHARED 200000    /* ns of it when ranks share CPUs (the yield runs the peer that shares it) */
-#define SLEEP_MIN 50000        /* ns, the first futex sleep */
-#define SLEEP_MAX 2000000      /* ns, the longest futex sleep */
-#define CHECK_EVERY 20000000   /* ns between liveness checks */
-#define SLICE 50000000         /* ns a call waits before it returns AGAIN */
+#define QUEUE 64           /* calls the progress thread may hold */
+#define QUEUE_SPIN_NS 20000 /* ns the progress thread polls for the next call before it sleeps */
 
 typedef void (*rows_fn)(void *out, const void *const *rows, int k, int64_t m);
 
@@ -150,15 +120,7 @@ static inline uint16_t f32_to_bf16(float f) {
 
 /* ---------------------------------------------------------------- the context */
 
-typedef struct {  /* shared with Python (cpuddp.backends.shm.native.State): int64 fields only */
-    int64_t seq;       /* the last call this rank posted */
-    int64_t epoch;     /* the last round this rank arrived at */
-    int64_t calls;     /* collectives agreed so far */
-    int64_t unchecked; /* a posted call not yet compared (its number), or 0 */
-    int64_t err_peer;  /* the local rank an error names */
-    int64_t err_where; /* W_POST, W_SETTLE, W_ROUND */
-    int64_t err_value; /* the call number or round waited for */
-} state_t;
+/* state_t (a context's counters, the binding's) and entry_t (a prepared call): layout.h's */
 
 typedef struct {
     int kind, dtype, op, root, step, two; /* two: this chunk has a second round */
@@ -169,17 +131,8 @@ typedef struct {
     int64_t slice_ns;                     /* return AGAIN after waiting this long in one call (0: never) */
     int queued;                           /* run by the progress thread: a stop ends its waits */
     rows_fn fn;
-    int64_t desc[7];
+    int64_t desc[DESC_WORDS];
 } op_t;
-
-/* a call's shape, prepared once by the binding per (collective, dtype, size, op, root) */
-typedef struct {
-    int64_t desc[7];                 /* the descriptor every rank compares */
-    int64_t kind, dtype, op, root;   /* dtype -1: bytes */
-    int64_t numel, m;                /* elements of a; of the output's part (reduce_scatter) */
-} entry_t;
-
-#define QUEUE 64 /* calls the progress thread may hold */
 
 /* one queued call: its arguments, then its result (done is the futex word its waiter sleeps on) */
 typedef struct {
@@ -316,13 +269,13 @@ static int wait_words(ctx_t *c, int w, int64_t v, int skip_me, int where) {
     op_t *op = &c->op;
     if (late_rank(c, w, v, skip_me) < 0) return done_waiting(op);
     int64_t start = now_ns(), now = start;
-    while (now - start < SPIN_FIRST) {
+    while (now - start < WAIT_SPIN_NS) {
         for (int i = 0; i < 16; i++) cpu_relax();
         if (late_rank(c, w, v, skip_me) < 0) return done_waiting(op);
         now = now_ns();
     }
     if (!op->wait_start) op->wait_start = start;
-    int64_t check_at = now + CHECK_EVERY;
+    int64_t check_at = now + WAIT_CHECK_NS;
     for (;;) {
         int late = late_rank(c, w, v, skip_me);
         if (late < 0) return done_waiting(op);
@@ -334,7 +287,7 @@ static int wait_words(ctx_t *c, int w, int64_t v, int skip_me, int where) {
         }
         now = now_ns();
         if (now >= check_at) {
-            check_at = now + CHECK_EVERY;
+            check_at = now + WAIT_CHECK_NS;
             int rc = early_compare(c);
             if (rc) return rc;
             for (int r = 0; r < c->n; r++) {
@@ -346,12 +299,12 @@ static int wait_words(ctx_t *c, int w, int64_t v, int skip_me, int where) {
         }
         if (op->slice_ns && now - op->call_start > op->slice_ns) return RC_AGAIN;
         int64_t waited = now - op->wait_start;
-        if (waited < (c->spin ? YIELD_FOR : YIELD_SHARED)) {
+        if (waited < (c->spin ? WAIT_YIELD_NS : WAIT_YIELD_SHARED_NS)) {
             sched_yield();
             continue;
         }
-        int64_t nap = waited / 8;
-        nap = nap < SLEEP_MIN ? SLEEP_MIN : nap > SLEEP_MAX ? SLEEP_MAX : nap;
+        int64_t nap = waited / WAIT_SLEEP_SHARE;
+        nap = nap < WAIT_SLEEP_MIN_NS ? WAIT_SLEEP_MIN_NS : nap > WAIT_SLEEP_MAX_NS ? WAIT_SLEEP_MAX_NS : nap;
         __atomic_fetch_add(sleepers(c), 1, __ATOMIC_SEQ_CST);
         uint32_t rung = __atomic_load_n(bell(c), __ATOMIC_SEQ_CST);
         if (late_rank(c, w, v, skip_me) >= 0) {
@@ -367,11 +320,11 @@ static int wait_words(ctx_t *c, int w, int64_t v, int skip_me, int where) {
 static int post(ctx_t *c) {
     int64_t seq = c->st->seq + 1;
     if (c->n > 1) {
-        int rc = wait_words(c, C_CHECKED, seq - RING, 1, W_POST);
+        int rc = wait_words(c, C_CHECKED, seq - RING, 1, AT_POST);
         if (rc) return rc;
     }
     int64_t *entry = ring_entry(c, seq, c->me);
-    for (int i = 0; i < 7; i++) __atomic_store_n(&entry[1 + i], c->op.desc[i], __ATOMIC_RELAXED);
+    for (int i = 0; i < DESC_WORDS; i++) __atomic_store_n(&entry[1 + i], c->op.desc[i], __ATOMIC_RELAXED);
     STORE(&entry[0], seq);
     c->st->seq = seq;
     c->st->unchecked = seq;
@@ -386,8 +339,8 @@ static int compare(ctx_t *c, int64_t seq) {
     for (int r = 0; r < c->n; r++) {
         if (r == c->me) continue;
         const int64_t *theirs = ring_entry(c, seq, r);
-        for (int i = 0; i < 8; i++)
-            if (LOAD(&theirs[i]) != mine[i]) return fail(c, RC_MISMATCH, r, W_SETTLE, seq);
+        for (int i = 0; i < 1 + DESC_WORDS; i++)
+            if (LOAD(&theirs[i]) != mine[i]) return fail(c, RC_MISMATCH, r, AT_SETTLE, seq);
     }
     c->st->unchecked = 0;
     raise_word(c, C_CHECKED, seq);
@@ -397,7 +350,7 @@ static int compare(ctx_t *c, int64_t seq) {
 static int settle(ctx_t *c) {
     int64_t seq = c->st->unchecked;
     if (!seq) return RC_OK;
-    int rc = wait_words(c, C_POSTED, seq, 0, W_SETTLE);
+    int rc = wait_words(c, C_POSTED, seq, 0, AT_SETTLE);
     return rc ? rc : compare(c, seq);
 }
 
@@ -406,11 +359,11 @@ static void arrive(ctx_t *c, int64_t e) { raise_word(c, C_ARRIVED, e); }
 
 /* every rank arrived at round e: the call is compared, no rank gave up */
 static int round_wait(ctx_t *c, int64_t e) {
-    int rc = wait_words(c, C_ARRIVED, e, 0, W_ROUND);
+    int rc = wait_words(c, C_ARRIVED, e, 0, AT_ROUND);
     if (rc) return rc;
     if ((rc = settle(c))) return rc;
     int64_t aborted = LOAD((int64_t *)c->base + W_ABORT);
-    if (aborted) return fail(c, RC_ABORT, (int)(aborted - 1), W_ROUND, e);
+    if (aborted) return fail(c, RC_ABORT, (int)(aborted - 1), AT_ROUND, e);
     c->st->epoch = e;
     return RC_OK;
 }
@@ -667,7 +620,22 @@ int cpuddp_shm_init(ctx_t *c, state_t *st, void *base, int64_t counters_at, int6
     return RC_OK;
 }
 
+/* what the binding checks a library against (layout.h, as this library was built from it) */
 int64_t cpuddp_shm_entry_size(void) { return (int64_t)sizeof(entry_t); }
+int64_t cpuddp_shm_state_size(void) { return (int64_t)sizeof(state_t); }
+
+static const struct {
+    const char *name;
+    int64_t value;
+} LAYOUT[] = {
+#define CPUDDP_SHM_ROW(name, value, what) {#name, (int64_t)(value)},
+    CPUDDP_SHM_TABLES(CPUDDP_SHM_ROW)
+#undef CPUDDP_SHM_ROW
+};
+int cpuddp_shm_layout_count(void) { return (int)(sizeof LAYOUT / sizeof LAYOUT[0]); }
+/* value i of layout.h's tables, in the file's order, and its name (NULL past the end) */
+const char *cpuddp_shm_layout_name(int i) { return i >= 0 && i < cpuddp_shm_layout_count() ? LAYOUT[i].name : 0; }
+int64_t cpuddp_shm_layout_value(int i) { return i >= 0 && i < cpuddp_shm_layout_count() ? LAYOUT[i].value : 0; }
 
 /* run one collective: a and b are the call's tensors (b: the input of all_gather and
  * reduce_scatter), both checked by the binding against the entry's sizes */
@@ -713,7 +681,7 @@ static int pending(ctx_t *c) {
 int cpuddp_shm_call(ctx_t *c, const entry_t *en, void *a, void *b) {
     if (c->q.started && pending(c)) return RC_BUSY; /* first: the thread's call owns c->op */
     if (c->op.step != -1) return RC_ARG; /* a call is in progress: resume it */
-    int rc = prepare(c, en, a, b, SLICE);
+    int rc = prepare(c, en, a, b, WAIT_SLICE_NS);
     if (rc) return rc;
     rc = drive(c);
     if (rc != RC_AGAIN) c->op.step = -1;
@@ -752,7 +720,7 @@ static void *progress(void *arg) {
                 continue;
             }
             int64_t start = now_ns(); /* spin briefly (a call right behind the last), then sleep */
-            while (c->spin && now_ns() - start < 20000 && t == __atomic_load_n(&q->tail, __ATOMIC_ACQUIRE))
+            while (c->spin && now_ns() - start < QUEUE_SPIN_NS && t == __atomic_load_n(&q->tail, __ATOMIC_ACQUIRE))
                 cpu_relax();
             if (t == __atomic_load_n(&q->tail, __ATOMIC_ACQUIRE)) futex_wait(&q->bell, rung, 100000000);
             continue;

@@ -39,7 +39,8 @@ from cpuddp.errors import GroupShutDownError
 
 from .descriptor import Call, Ring, describe
 from ..native import Counters
-from .segment import C_CHECKED, C_STATE, STATE_LEFT, W_ABORT, Segment
+from ..native.layout import C_CHECKED, C_STATE, STATE_LEFT, W_ABORT
+from .segment import Segment
 from .wait import Waiter
 
 __all__ = ["State", "Lifecycle", "Channel"]

@@ -27,6 +27,8 @@ import os
 import platform
 from typing import Callable, Mapping, Optional, Tuple
 
+from ..native.layout import DESC, LINE, PAGE, RING
+
 __all__ = [
     "NAME",
     "SLOT_VAR",
@@ -38,8 +40,6 @@ __all__ = [
     "slot_bytes",
     "layout",
     "ring_offset",
-    "RING",
-    "DESC_BYTES",
     "probe",
 ]
 
@@ -50,15 +50,6 @@ OPT_OUT_VAR = "CPUDDP_SHM"
 #: 1 MiB per rank and buffer: measured 25-35% faster than 4 or 64 MiB (the slots stay in L3).
 DEFAULT_SLOT = 1 << 20
 X86_MACHINES = frozenset({"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"})
-
-PAGE = 4096
-#: One control line per rank (arrival counter, posted and checked call numbers, state, its NUMA
-#: node and why it has none), each on its own 128-byte line (adjacent-line prefetch pairs 64 B lines).
-COUNTER_STRIDE = 128
-HEADER_BYTES = PAGE
-#: Per-call descriptors: a ring of RING entries of DESC_BYTES per rank (cpuddp.backends.shm.protocol.descriptor).
-RING = 16
-DESC_BYTES = 64
 
 
 def slot_bytes(environ: Mapping[str, str]) -> int:
@@ -84,16 +75,16 @@ def layout(local_world_size: int, slot: int) -> Tuple[int, int, int]:
     """``(counters_offset, slots_offset, total_bytes)`` of one node's segment (pure).
 
     A header page, one control line per rank, the descriptor rings, then two buffers
-    (parities) of one slot per rank.
+    (parities) of one slot per rank; the sizes are ``layout.h``'s (:mod:`cpuddp.backends.shm.native.layout`).
     """
-    counters = HEADER_BYTES
-    slots = ring_offset(local_world_size) + _round_up(RING * DESC_BYTES * local_world_size, PAGE)
+    counters = PAGE
+    slots = ring_offset(local_world_size) + _round_up(RING * DESC * local_world_size, PAGE)
     return counters, slots, slots + 2 * local_world_size * slot
 
 
 def ring_offset(local_world_size: int) -> int:
-    """Offset of the descriptor rings (entry-major: rank r's entry i at ``+ (i * local ranks + r) * DESC_BYTES``)."""
-    return HEADER_BYTES + _round_up(COUNTER_STRIDE * local_world_size, PAGE)
+    """Offset of the descriptor rings (entry-major: rank r's entry i at ``+ (i * local ranks + r) * DESC``)."""
+    return PAGE + _round_up(LINE * local_world_size, PAGE)
 
 
 def reservation_bytes(local_world_size: int, environ: Mapping[str, str]) -> int:

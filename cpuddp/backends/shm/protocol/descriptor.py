@@ -20,7 +20,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from . import check as shm_check
+from ..native.layout import DESC, DESC_WORDS, RING
 
 __all__ = ["Call", "CallMismatch", "KINDS", "Pinned", "READERS", "Ring", "describe", "dtype_name", "encode"]
 
@@ -35,7 +35,7 @@ _DTYPES = ("float32", "float64", "float16", "bfloat16", "int8", "uint8", "int16"
            "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
 _OPS = {0: "SUM", 1: "AVG", 2: "PRODUCT", 3: "MIN", 4: "MAX", 5: "BAND", 6: "BOR", 7: "BXOR", 8: "PREMUL_SUM"}
 ANY = -1  # a field this collective does not pin (it may differ between ranks)
-WORDS = 7  # fields per descriptor, after the call number
+WORDS = DESC_WORDS  # fields per descriptor, after the call number (layout.h)
 
 
 class CallMismatch(RuntimeError):
@@ -161,21 +161,19 @@ class Ring:
     comparison of a ring entry across ranks), not a loop over the peers."""
 
     def __init__(self, seg: Any) -> None:
-        from .segment import C_CHECKED
-
-        self._seg, self._checked = seg, C_CHECKED
+        self._seg = seg
         self.me = seg.local_rank
-        self._entry = shm_check.DESC_BYTES
+        self._entry = DESC
 
     def slot_free(self, seq: int) -> List[int]:
         """Local ranks that have not checked call ``seq - RING`` yet (this rank may not overwrite
         ring entry ``seq % RING`` before they have)."""
-        need = seq - shm_check.RING
+        need = seq - RING
         checked = self._seg.checked
         return [] if min(checked) >= need else [i for i in self._seg.late(checked, need) if i != self.me]
 
     def post(self, seq: int, call: Call) -> None:
-        entry = self._seg.rings[self.me][seq % shm_check.RING]
+        entry = self._seg.rings[self.me][seq % RING]
         entry[1:1 + WORDS] = call.words()
         entry[0] = seq
         self._seg.posted[self.me] = seq  # x86 TSO: peers that see this see the entry
@@ -188,7 +186,7 @@ class Ring:
     def compare(self, seq: int, call: Call, rank_of: Sequence[int]) -> None:
         """Raise :class:`CallMismatch` if any local peer's call ``seq`` differs from ``call``."""
         seg, size = self._seg, self._seg.size
-        at = seg.ring_at[seq % shm_check.RING]
+        at = seg.ring_at[seq % RING]
         mine = bytes(seg.mm[at + self.me * self._entry:at + (self.me + 1) * self._entry])
         if seg.mm[at:at + size * self._entry] != mine * size:
             self.mismatch(seq, call, rank_of)
@@ -198,7 +196,7 @@ class Ring:
         """Raise the :class:`CallMismatch` naming the first local peer whose call ``seq`` differs."""
         mine = call.words()
         for i in range(self._seg.size):
-            entry = self._seg.rings[i][seq % shm_check.RING]
+            entry = self._seg.rings[i][seq % RING]
             theirs = tuple(entry[1:1 + WORDS])
             if i != self.me and (entry[0] != seq or theirs != mine):
                 raise CallMismatch(

@@ -14,7 +14,7 @@ from cpuddp.errors import BackendError
 from cpuddp.launchers.identity import JobIdentity
 from cpuddp.launchers.store_values import STORE_FIX
 
-from . import check as shm_check
+from ..native.layout import PAGE
 from .segment import FIX
 
 __all__ = ["parse_offer", "parse_busy", "busy_value", "busy_text", "hello_line", "parse_hello", "another_job", "uid_problem",
@@ -83,7 +83,7 @@ def parse_offer(raw: bytes, key: str, where: str) -> Tuple[str, int, int]:
     try:
         name, token, slot = parts[1], int(parts[2]), int(parts[3])
         ok = (len(parts) == 4 and parts[0] == "sock" and _SOCK_RE.match(name) is not None
-              and 0 < token < (1 << 62) + 1 and shm_check.PAGE <= slot <= _MAX_SLOT and slot % shm_check.PAGE == 0)
+              and 0 < token < (1 << 62) + 1 and PAGE <= slot <= _MAX_SLOT and slot % PAGE == 0)
     except (IndexError, ValueError):
         ok = False
     if not ok:

@@ -21,9 +21,10 @@ import platform
 from collections import Counter
 from typing import Any, Dict, List, Optional
 
-__all__ = ["page_nodes", "slot_nodes", "PAGE"]
+__all__ = ["page_nodes", "slot_nodes", "OS_PAGE"]
 
-PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+#: the kernel's page size (move_pages works in its pages; the segment's PAGE is layout.h's)
+OS_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 #: ``move_pages``'s system call number per CPU (x86-64: 279; arm64: 239).
 _MOVE_PAGES = {"x86_64": 279, "amd64": 279, "aarch64": 239, "arm64": 239}
 
@@ -34,10 +35,10 @@ def page_nodes(addr: int, length: int) -> Optional[List[int]]:
     nr = _MOVE_PAGES.get(platform.machine().lower())
     if nr is None or not hasattr(ctypes, "CDLL"):
         return None
-    first, count = addr - addr % PAGE, -(-(addr % PAGE + length) // PAGE)
+    first, count = addr - addr % OS_PAGE, -(-(addr % OS_PAGE + length) // OS_PAGE)
     if count <= 0:
         return []
-    pages = (ctypes.c_void_p * count)(*(first + i * PAGE for i in range(count)))
+    pages = (ctypes.c_void_p * count)(*(first + i * OS_PAGE for i in range(count)))
     for p in pages:  # map each page into this process: move_pages sees only mapped pages
         ctypes.string_at(p, 1)
     status = (ctypes.c_int * count)()

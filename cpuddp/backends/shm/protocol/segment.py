@@ -17,7 +17,9 @@
   (:mod:`cpuddp.backends.shm.protocol.handover`) is a regular file of this uid, mode 0600, of the size
   the layout needs, with this group's header.  Nothing is mapped because a store value says so.
 * :class:`Segment`: the mapping -- header words, per-rank control lines (arrival counter,
-  posted and checked call numbers, state), descriptor rings and typed slot views.
+  posted and checked call numbers, state), descriptor rings and typed slot views; where each
+  word and area lies is ``layout.h``'s (:mod:`cpuddp.backends.shm.native.layout`: ``W_*``
+  header words, ``C_*`` line words, the note, the sizes), defined there once for both engines.
 * Liveness: every rank holds an open-file-description lock (``F_OFD_SETLK``) on its own byte
   past the segment's end, taken through a file handle of its own (the memfd opened again
   through ``/proc/self/fd``: a new open file description), never the mapping's; the kernel
@@ -46,22 +48,12 @@ import torch
 
 from cpuddp.errors import BackendError
 
+from ..native.layout import (C_ARRIVED, C_CHECKED, C_POSTED, DESC, HEADER_WORDS, LINE, LINE_WORDS, MAGIC, NOTE_AT,
+                             NOTE_BYTES, PAGE, RING, W_MAGIC, W_RING, W_SIZE, W_SLOT, W_TOKEN)
 from . import check as shm_check
 from .forks import close_in_forked_child
 
-__all__ = ["Segment", "create_segment", "check_received", "MAGIC", "FIX"]
-
-MAGIC = 0x6370756464707368  # "cpuddpsh"
-# int64 words of the header page
-W_MAGIC, W_SIZE, W_SLOT, W_TOKEN, W_ABORT, W_RING = 0, 1, 2, 3, 4, 5
-# int64 words of each rank's control line
-C_EPOCH, C_POSTED, C_CHECKED, C_STATE, C_NUMA, C_NATIVE = 0, 1, 2, 3, 4, 5
-#: header bytes of the native engine's futex (engine.c: BELL_AT, SLEEPERS_AT): the bell it rings
-#: after raising a counter, and how many of its waiters sleep on it
-BELL_AT, SLEEPERS_AT = 128, 192
-#: bytes of each control line after its words: why the rank has no NUMA node (utf-8, NUL-padded)
-NOTE_AT, NOTE_BYTES = 48, 80
-STATE_LIVE, STATE_LEFT = 0, 1
+__all__ = ["Segment", "create_segment", "check_received", "FIX"]
 
 FIX = ("give the job memory for the segment (or lower CPUDDP_SHM_SLOT), run the node's ranks as one user "
        "in one network namespace, or pass backend='gloo'")
@@ -87,22 +79,21 @@ class Segment:
             self.mm.madvise(mmap.MADV_DONTFORK)
         for at, length in [(0, slots), *self.own_slots(local_rank)]:  # allocated: map them ahead
             _populate(self.mm, at, length)
-        self.words = (ctypes.c_int64 * 8).from_buffer(self.mm, 0)
+        self.words = (ctypes.c_int64 * HEADER_WORDS).from_buffer(self.mm, 0)
         self.counters_at = counters
-        self.lines = [(ctypes.c_int64 * 6).from_buffer(self.mm, counters + i * shm_check.COUNTER_STRIDE)
-                      for i in range(local_size)]
+        self.lines = [(ctypes.c_int64 * LINE_WORDS).from_buffer(self.mm, counters + i * LINE) for i in range(local_size)]
         # descriptor rings, entry-major: entry i of every rank side by side, so one comparison
         # of those bytes agrees a call (cpuddp.backends.shm.protocol.descriptor)
-        ring, desc = shm_check.ring_offset(local_size), shm_check.DESC_BYTES
-        self.ring_at = [ring + i * local_size * desc for i in range(shm_check.RING)]
-        self.rings = [[(ctypes.c_int64 * (desc // 8)).from_buffer(self.mm, self.ring_at[i] + r * desc)
-                       for i in range(shm_check.RING)] for r in range(local_size)]
+        ring = shm_check.ring_offset(local_size)
+        self.ring_at = [ring + i * local_size * DESC for i in range(RING)]
+        self.rings = [[(ctypes.c_int64 * (DESC // 8)).from_buffer(self.mm, self.ring_at[i] + r * DESC)
+                       for i in range(RING)] for r in range(local_size)]
         # every rank's control words as one view each (a step slice of the lines): who is late
         # is one min() over it, not a loop over the peers
-        words = memoryview(self.mm)[counters:counters + local_size * shm_check.COUNTER_STRIDE].cast("q")
-        step = shm_check.COUNTER_STRIDE // 8
-        self.arrived, self.posted, self.checked = (words[c::step] for c in (C_EPOCH, C_POSTED, C_CHECKED))
-        self.mine = ctypes.c_int64.from_buffer(self.mm, counters + local_rank * shm_check.COUNTER_STRIDE)
+        words = memoryview(self.mm)[counters:counters + local_size * LINE].cast("q")
+        step = LINE // 8
+        self.arrived, self.posted, self.checked = (words[c::step] for c in (C_ARRIVED, C_POSTED, C_CHECKED))
+        self.mine = ctypes.c_int64.from_buffer(self.mm, counters + local_rank * LINE + 8 * C_ARRIVED)
         self.raw = torch.frombuffer(self.mm, dtype=torch.uint8, count=total - slots, offset=slots)
         self._rows: Dict[torch.dtype, List[torch.Tensor]] = {}
         self._views: Dict[torch.dtype, List[List[torch.Tensor]]] = {}
@@ -168,7 +159,7 @@ class Segment:
 
     def note(self, local_rank: int) -> memoryview:
         """Local rank ``local_rank``'s note: the bytes of its control line after the words."""
-        at = self.counters_at + local_rank * shm_check.COUNTER_STRIDE + NOTE_AT
+        at = self.counters_at + local_rank * LINE + NOTE_AT
         return memoryview(self.mm)[at:at + NOTE_BYTES]
 
     def late(self, words: memoryview, value: int) -> List[int]:
@@ -232,9 +223,9 @@ def create_segment(local_size: int, slot: int) -> Tuple[int, int]:
         _reserve(fd, 0, total, f"{local_size} local ranks", size_only=True)  # the slots: each rank's (Segment)
         _reserve(fd, 0, slots, f"the control lines of {local_size} local ranks")
         token = secrets.randbits(62) + 1
-        with mmap.mmap(fd, shm_check.PAGE) as head:
-            words = (ctypes.c_int64 * 8).from_buffer(head, 0)
-            words[W_SIZE], words[W_SLOT], words[W_TOKEN], words[W_RING] = local_size, slot, token, shm_check.RING
+        with mmap.mmap(fd, PAGE) as head:
+            words = (ctypes.c_int64 * HEADER_WORDS).from_buffer(head, 0)
+            words[W_SIZE], words[W_SLOT], words[W_TOKEN], words[W_RING] = local_size, slot, token, RING
             words[W_MAGIC] = MAGIC
             del words
     except BaseException:
@@ -257,8 +248,8 @@ def check_received(fd: int, token: int, local_size: int, slot: int) -> None:
     elif st.st_size != total:
         problem = f"has size {st.st_size}, expected {total}"
     if problem is None:
-        with mmap.mmap(fd, shm_check.PAGE) as head:
-            words = (ctypes.c_int64 * 8).from_buffer(head, 0)
+        with mmap.mmap(fd, PAGE) as head:
+            words = (ctypes.c_int64 * HEADER_WORDS).from_buffer(head, 0)
             ok = (words[W_MAGIC], words[W_TOKEN], words[W_SIZE], words[W_SLOT]) == (MAGIC, token, local_size, slot)
             del words
         problem = None if ok else "has a header that is not this group's (magic, token, size)"

@@ -1,25 +1,21 @@
-"""Waiting for the node's other ranks, for the shm group (:mod:`cpuddp.backends.shm.python.local`), and
-the one wait policy of the shm backend (:class:`Backoff`, :func:`spin_until`; the group's
-communication thread and its Works use it too, :mod:`cpuddp.backends.shm.routes.stream`).
+"""Waiting for the node's other ranks on the Python data path (:mod:`cpuddp.backends.shm.python.local`),
+by the shm backend's one wait policy (:class:`Backoff`, :func:`spin_until`; the group's threads
+and its Works use it too, :mod:`cpuddp.backends.shm.routes.stream`).
+
+The policy and its numbers are ``layout.h``'s ("the wait policy": defined there once, for this
+engine and the native one, :mod:`cpuddp.backends.shm.native.layout`): ``sched_yield`` polling
+for ``WAIT_YIELD_NS`` when every local rank has a CPU of its own (``WAIT_YIELD_SHARED_NS`` when
+ranks share CPUs), then sleeps that grow with the wait (at most 1/``WAIT_SLEEP_SHARE`` of the
+time waited so far, ``WAIT_SLEEP_MIN_NS`` to ``WAIT_SLEEP_MAX_NS``), and every
+``WAIT_CHECK_NS`` a look at the late peers.  This engine has no pause-spin (Python has no
+``pause``) and no futex (it sleeps for the time the policy says; a native waiter sleeps on the
+segment's bell, which wakes it at the peer's arrival).
 
 :meth:`Waiter.until` returns once no local peer is late, and ends at once with an error naming
-the peer that died, left the group or gave up (the segment's abort word), and at the group
-timeout otherwise.  How it waits, and why:
-
-* ``os.sched_yield()`` polling for the first :data:`YIELD_FOR` (2 ms) when every local rank has
-  a CPU of its own -- on every thread, the communication thread included (it runs only where
-  the plan left a CPU free for it).  A peer's arrival is seen within a microsecond or two, and
-  the yield hands the CPU to any other thread that wants it.  Not at all when the node's ranks
-  outnumber their CPUs: a spinning rank would hold the CPU the peer it waits for needs (4 ranks
-  on 2 CPUs took 0.5 s for 4 MiB with a 50 ms spin).
-* then sleeps that grow with the wait: each at most 1/8 of the time waited so far, from
-  :data:`SLEEP_FIRST` up to :data:`SLEEP_MAX` (2 ms).  A sleep costs at most ~1/8 more than
-  the wait it ends (a fixed 0.2 ms sleep -- ~0.26 ms with the kernel's timer slack -- could cost
-  a rank that arrived first several times the copy it waited for), and a wait of seconds for a
-  late peer wakes ~450 times a second, not ~2,500 (``benchmarks/wait_cost.py``).
-* every 0.1 s, a check that each late peer lives (the kernel-held lock of
-  :meth:`cpuddp.backends.shm.protocol.segment.Segment.alive`, which works across PID namespaces, and
-  its pid where it is visible) and has not left the group.
+the peer that died (the kernel-held lock of
+:meth:`cpuddp.backends.shm.protocol.segment.Segment.alive`, which works across PID namespaces,
+and its pid where it is visible), left the group or gave up (the segment's abort word), and at
+the group timeout otherwise.
 """
 
 from __future__ import annotations
@@ -30,14 +26,15 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import torch.distributed as dist
 
-from .segment import C_STATE, STATE_LEFT, W_ABORT, Segment
+from ..native.layout import (C_STATE, STATE_LEFT, W_ABORT, WAIT_CHECK_NS, WAIT_SLEEP_MAX_NS, WAIT_SLEEP_MIN_NS,
+                             WAIT_SLEEP_SHARE, WAIT_YIELD_NS, WAIT_YIELD_SHARED_NS)
+from .segment import Segment
 
-__all__ = ["Waiter", "Backoff", "spin_until", "YIELD_FOR", "SLEEP_FIRST", "SLEEP_MAX", "CHECK_EVERY"]
+__all__ = ["Waiter", "Backoff", "spin_until"]
 
-YIELD_FOR = 0.002
-SLEEP_FIRST = 2e-5
-SLEEP_MAX = 0.002
-CHECK_EVERY = 0.1
+# layout.h's policy in seconds
+_YIELD, _YIELD_SHARED = WAIT_YIELD_NS / 1e9, WAIT_YIELD_SHARED_NS / 1e9
+_SLEEP_MIN, _SLEEP_MAX, _CHECK = WAIT_SLEEP_MIN_NS / 1e9, WAIT_SLEEP_MAX_NS / 1e9, WAIT_CHECK_NS / 1e9
 
 
 class Backoff:
@@ -46,27 +43,26 @@ class Backoff:
     __slots__ = ("start", "spin_until", "now")
 
     def __init__(self, spin: bool) -> None:
+        """``spin``: every local rank has a CPU of its own (the longer yield phase)."""
         self.start = self.now = time.monotonic()
-        self.spin_until = self.start + (YIELD_FOR if spin else 0.0)
+        self.spin_until = self.start + (_YIELD if spin else _YIELD_SHARED)
 
     def pause(self) -> float:
-        """Yield (the first 2 ms, when spinning is right) or sleep (growing); the time now."""
+        """Yield (the policy's first phase) or sleep (growing); the time now."""
         now = self.now = time.monotonic()
         if now < self.spin_until:
             os.sched_yield()
         else:
-            time.sleep(min(SLEEP_MAX, max(SLEEP_FIRST, (now - self.start) / 8)))
+            time.sleep(min(_SLEEP_MAX, max(_SLEEP_MIN, (now - self.start) / WAIT_SLEEP_SHARE)))
         return now
 
 
 def spin_until(ready: Callable[[], bool], spin: bool = True) -> bool:
-    """Yield-poll ``ready()`` for the spin phase of :class:`Backoff` only; whether it became true
+    """Yield-poll ``ready()`` for the yield phase of :class:`Backoff` only; whether it became true
     (the caller then blocks on its own primitive: a queue, a future)."""
     if ready():
         return True
-    if not spin:
-        return False
-    end = time.monotonic() + YIELD_FOR
+    end = time.monotonic() + (_YIELD if spin else _YIELD_SHARED)
     while time.monotonic() < end:
         os.sched_yield()
         if ready():
@@ -91,14 +87,14 @@ class Waiter:
         ``poll()`` runs while waiting (the agreement's early comparison); errors end the wait."""
         words = self.seg.words
         backoff = Backoff(self.spin)
-        check_at, deadline = backoff.start + CHECK_EVERY, backoff.start + self.timeout
+        check_at, deadline = backoff.start + _CHECK, backoff.start + self.timeout
         while pending():
             if words[W_ABORT]:
                 poll()  # a mismatch the peer found is this rank's error too
                 self.check_abort()
             now = backoff.pause()
             if now >= check_at:
-                check_at = now + CHECK_EVERY
+                check_at = now + _CHECK
                 poll()
                 self.check_peers(late(), what)
                 if now > deadline:

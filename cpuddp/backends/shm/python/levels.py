@@ -33,7 +33,7 @@ from .local import LocalEngine, block, part_length, span
 from cpuddp.errors import BackendError
 
 from .numa_plan import NumaPlan, forced_node, forced_nodes, plan_nodes, rank_node
-from ..protocol.segment import C_NUMA, NOTE_BYTES
+from ..native.layout import C_NUMA, NOTE_BYTES
 from .ops import rows_reducer
 
 __all__ = ["TwoLevel", "my_node", "setup_levels"]

@@ -55,18 +55,17 @@ from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Se
 import torch
 import torch.distributed as dist
 
+from ..native.layout import ALIGN
 from ..protocol.channel import Channel
 from .ops import rows_reducer
 
 __all__ = ["LocalEngine", "part_length", "span", "rows_of", "block"]
 
-_ALIGN = 64
-
 
 def part_length(k: int, n: int, size: int) -> int:
     """Elements per part when ``k`` elements split into ``n`` parts: equal, 64-byte aligned (the
     last parts shorter or empty)."""
-    align = max(1, _ALIGN // size)
+    align = max(1, ALIGN // size)
     return max(align, -(-(-(-k // n)) // align) * align)
 
 
@@ -152,7 +151,7 @@ class LocalEngine:
     def _cap(self, t: torch.Tensor, parts: int = 1) -> int:
         """Elements of ``t``'s dtype per slot region when a slot holds ``parts`` regions (aligned)."""
         size = t.element_size()
-        per = (self.seg.slot // parts) // _ALIGN * _ALIGN
+        per = (self.seg.slot // parts) // ALIGN * ALIGN
         return max(1, per // size)
 
     def my_part(self, k: int, size: int) -> Tuple[int, int]:

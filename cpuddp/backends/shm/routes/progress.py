@@ -39,7 +39,7 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 
 import torch
 
-from ..native import RC_AGAIN, RC_BUSY, RC_OK
+from ..native.layout import RC_AGAIN, RC_BUSY, RC_OK
 
 __all__ = ["Progress"]
 
