@@ -240,6 +240,21 @@ def test_shm_rooms_import_only_those_below():
     assert not wrong, "shm: imports that point up or sideways (SHM_LAYERS):\n" + "\n".join(wrong)
 
 
+#: a private of the group (or of an engine) reached from a route, as the review grepped for it:
+#: ``g._run(``, ``group._local(``, ``self.g._queues(``, ``eng._cap(``
+_GROUP_PRIVATE = re.compile(r"(?:g|group)\._\w")
+
+
+def test_no_shm_route_reaches_into_the_group():
+    """The routes and the hierarchy run a call through the executor the group hands them
+    (``routes/executor.py``), never through a private of the group."""
+    assert _GROUP_PRIVATE.search("return self.g._run(kind)") and not _GROUP_PRIVATE.search("self.ex.run(kind)")
+    wrong = [f"{m}:{i}: {line.strip()}" for m, path in MODULES.items()
+             if m.startswith((SHM + ".routes", SHM + ".cross"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if _GROUP_PRIVATE.search(line)]
+    assert not wrong, "shm routes that reach into the group:\n" + "\n".join(wrong)
+
+
 def _train_upward(modules: dict[str, Path]) -> list[str]:
     wrong = []
     for module in (m for m in modules if m.startswith("cpuddp.train.")):

@@ -59,7 +59,7 @@ class Hierarchy:
     def all_reduce(self, flat: torch.Tensor, code: Any, fn: Callable[..., Any]) -> None:
         eng, me = self.eng, self.me
         rows, red = eng.seg.rows(flat.dtype), rows_reducer(fn, flat.dtype)
-        chunks = eng._rounds(flat.numel(), eng._cap(flat))
+        chunks = eng.rounds(flat.numel(), eng.cap(flat))
         spans = [eng.my_part(k, flat.element_size()) for _, k in chunks]
         part = torch.empty(sum(hi - lo for lo, hi in spans), dtype=flat.dtype)
         pos = 0

@@ -50,13 +50,13 @@ import datetime
 import logging
 import os
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from cpuddp.affinity.pin import thread_affinity
-from cpuddp.errors import BackendError, GroupShutDownError
+from cpuddp.errors import BackendError
 from cpuddp.launchers import identity
 
 from .. import api
@@ -66,20 +66,20 @@ from .. import native
 from .calls import Collectives
 from ..protocol.channel import Channel, Lifecycle
 from ..cross.hierarchy import Hierarchy, SumThenDivide, cross_group
-from ..protocol.descriptor import encode
 from ..routes.direct import Direct
+from ..routes.executor import Executor
 from ..protocol.handover import map_segment
 from ..python.levels import setup_levels
 from ..python.local import LocalEngine
 from ..protocol.node import GroupName, NodePlan, check_local_size, group_name, parse_who, pin_hosts, plan_node, whoami
-from ..python.ops import check_tensors, dense
+from ..python.ops import check_tensors
 from .p2p import PeerLinks
 from ..routes.progress import Progress
 from ..routes.route import CALLS, Route, WorldRoute
 from ..routes.route_native import NativeRoute
 from ..routes.route_node import CrossRoute, NodeRoute
 from ..native.layout import C_NATIVE
-from ..routes.stream import ASYNC_FROM, GatheredWork, Stream, TimedWork, async_setting
+from ..routes.stream import GatheredWork, Stream, TimedWork, async_setting
 from ..protocol.wait import Waiter
 
 __all__ = ["NAME", "ShmProcessGroup", "register", "eligibility"]
@@ -150,6 +150,10 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             self._progress = Progress(self._native, self._on_error, rank)
             threaded = False
         self._stream = Stream(rank, threaded, self._on_error, self._thread_setup)
+        #: what the routes run a call through (the group's side of a collective; no route reaches in here)
+        self._executor = Executor(rank, size, self._plan.local if self._plan is not None else (), self._life,
+                                  self._pid, self._stream, self._progress,
+                                  self._eng.ch if self._eng is not None else None)
         #: the direct route: torch's call to one native call (native groups that queue nothing)
         self._direct = (Direct(self._native, self._life, self._eng.ch.seg, self._stream.exec_lock,  # type: ignore[union-attr]
                                self._on_error, self._plan.local)  # type: ignore[union-attr]
@@ -211,10 +215,10 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         if self._eng is None:
             return WorldRoute(self._world)
         if self._hier is not None:
-            return CrossRoute(self, self._eng, self._hier, self._world)
+            return CrossRoute(self._executor, self._eng, self._hier, self._world)
         if self._native is not None:
-            return NativeRoute(self, self._eng, self._native)
-        return NodeRoute(self, self._eng)
+            return NativeRoute(self._executor, self._eng, self._native)
+        return NodeRoute(self._executor, self._eng)
 
     def _thread_setup(self) -> None:
         """On the communication thread: its ops use one OpenMP thread."""
@@ -231,83 +235,9 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
     def getBackendName(self) -> str:  # noqa: N802  (torch's name)
         return NAME
 
-    # ------------------------------------------------------------------ running a call
-
-    def _usable(self) -> None:
-        self._life.check_usable()
-        if os.getpid() != self._pid:
-            raise GroupShutDownError(f"this process (pid {os.getpid()}) is a fork of rank {self.rank()} (pid "
-                                     f"{self._pid}): a forked child cannot use its parent's process group",
-                                     fix="run collectives in the parent only (DataLoader workers need none)")
-
-    def _run(self, kind: str, agreed: Sequence[torch.Tensor], body: Callable[[], None], result: Any, *,
-             op: Any = None, root: Optional[int] = None) -> Any:
-        """Post the (checked) call's descriptor, run ``body``, finish the agreement -- in this thread
-        or the group's, in issue order.  An error from here on breaks the group and stops the peers."""
-        self._usable()
-        ch = self._eng.ch  # type: ignore[union-attr]
-        call = encode(kind, agreed, op=None if op is None else int(op), root=root)
-        progress = self._progress
-        if progress is not None:
-            progress.drain()  # issue order: the queued calls first
-
-        def run() -> None:
-            if progress is not None:
-                progress.wait_idle()  # under the exec lock: a call a Work's callback queued since, too
-            ch.agree(call)
-            body()
-            ch.settle()  # a call with no round (nothing to move) is compared here
-
-        return self._stream.run(run, result, lambda: sum(t.numel() * t.element_size() for t in agreed))
-
-    def _run_native(self, kind: str, agreed: Sequence[torch.Tensor], run: Callable[[Any], None], result: Any, *,
-                    op: Any = None, root: Optional[int] = None) -> Any:
-        """``run(call)``: one call of the native data path, which posts, moves and compares
-        itself -- in this thread or the group's, in issue order, like :meth:`_run`."""
-        self._usable()
-        self._life.check_not_broken()
-        call = encode(kind, agreed, op=None if op is None else int(op), root=root)
-        progress = self._progress
-        if progress is None:
-            return self._stream.run(lambda: run(call), result, lambda: sum(t.numel() * t.element_size() for t in agreed))
-        progress.drain()  # issue order: the queued calls first
-
-        def after_the_queue() -> None:
-            progress.wait_idle()  # under the exec lock: a call a Work's callback queued since, too
-            run(call)
-
-        return self._stream.run(after_the_queue, result, lambda: sum(t.numel() * t.element_size() for t in agreed))
-
-    def _queues(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Does this call go to the progress thread: one is running, the tensors are dense (no
-        staging copy to undo afterwards), and the call is big or others are queued (order)?"""
-        progress = self._progress
-        if progress is None or progress.closed or not all(dense(t) for t in tensors):
-            return False
-        return bool(progress.pending()) or sum(t.numel() * t.element_size() for t in tensors) >= ASYNC_FROM
-
-    def _submit_native(self, kind: str, agreed: Sequence[torch.Tensor], job: Callable[[Any], Any], result: Any, *,
-                       keep: Sequence[torch.Tensor] = (), op: Any = None, root: Optional[int] = None) -> Any:
-        """Queue one native call on the progress thread: an unfinished Work at once.  Held until
-        it completes: ``agreed``, ``result`` and ``keep`` -- every tensor ``job`` hands the
-        library an address of (an input that is neither, such as reduce_scatter's, goes in
-        ``keep``: freed while queued, the thread would read unmapped memory)."""
-        self._usable()
-        self._life.check_not_broken()
-        call = encode(kind, agreed, op=None if op is None else int(op), root=root)
-        with self._stream.exec_lock:
-            return self._progress.submit(call, job(call), result, (agreed, result, keep))  # type: ignore[union-attr]
-
     def _on_error(self, exc: BaseException) -> None:
         if self._eng is not None:
             self._eng.ch.fail(str(exc))
-
-    def _local(self, rank: int) -> int:
-        """This node's local rank of group rank ``rank`` (single-node groups)."""
-        if not 0 <= rank < self.size():
-            raise BackendError(f"root/peer rank {rank} is not a rank of this group of {self.size()}",
-                               fix=f"pass a rank from 0 to {self.size() - 1}")
-        return self._plan.local.index(rank)  # type: ignore[union-attr]
 
     # ------------------------------------------------------------------ point-to-point
 
@@ -320,7 +250,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
     def _p2p(self, tensors: Any, peer: int, tag: int, kind: str) -> Any:
         """Within the node over its sockets, else on the gloo group of every rank; a tensor that
         is not contiguous goes through a staging copy (and back, for a recv)."""
-        self._usable()
+        self._executor.usable()
         tensors = call_args.one_tensor(tensors, kind)
         check_tensors(tensors, kind)
         t = tensors[0]
@@ -378,11 +308,6 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
     def abort(self) -> None:
         self.abort_peers("the process group was aborted")
         self.shutdown()
-
-    def _check_root(self, root: Any) -> None:
-        if not isinstance(root, int) or not 0 <= root < self.size():
-            raise BackendError(f"root rank {root!r} is not a rank of this group of {self.size()}",
-                               fix=f"pass a root from 0 to {self.size() - 1}")
 
 
 # --------------------------------------------------------------------------- registration

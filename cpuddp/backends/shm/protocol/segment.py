@@ -81,7 +81,8 @@ class Segment:
             _populate(self.mm, at, length)
         self.words = (ctypes.c_int64 * HEADER_WORDS).from_buffer(self.mm, 0)
         self.counters_at = counters
-        self.lines = [(ctypes.c_int64 * LINE_WORDS).from_buffer(self.mm, counters + i * LINE) for i in range(local_size)]
+        self.lines = [(ctypes.c_int64 * LINE_WORDS).from_buffer(self.mm, counters + i * LINE)
+                      for i in range(local_size)]
         # descriptor rings, entry-major: entry i of every rank side by side, so one comparison
         # of those bytes agrees a call (cpuddp.backends.shm.protocol.descriptor)
         ring = shm_check.ring_offset(local_size)

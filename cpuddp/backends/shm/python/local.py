@@ -145,10 +145,11 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ helpers
 
-    def _rounds(self, numel: int, cap: int) -> List[Tuple[int, int]]:
+    def rounds(self, numel: int, cap: int) -> List[Tuple[int, int]]:
+        """``(offset, elements)`` of each chunk of ``numel`` elements, ``cap`` at a time."""
         return [(o, min(cap, numel - o)) for o in range(0, numel, cap)]
 
-    def _cap(self, t: torch.Tensor, parts: int = 1) -> int:
+    def cap(self, t: torch.Tensor, parts: int = 1) -> int:
         """Elements of ``t``'s dtype per slot region when a slot holds ``parts`` regions (aligned)."""
         size = t.element_size()
         per = (self.seg.slot // parts) // ALIGN * ALIGN
@@ -211,7 +212,7 @@ class LocalEngine:
 
     def _all_reduce_pair(self, flat: torch.Tensor, fn: Callable[..., Any]) -> None:
         me = self.me
-        for o, k in self._rounds(flat.numel(), self._cap(flat)):
+        for o, k in self.rounds(flat.numel(), self.cap(flat)):
             e = self.ch.next_round()
             buf = self.seg.regions(flat.dtype, 0, k)[e & 1]
             mine = flat[o:o + k] if k != flat.numel() else flat
@@ -226,7 +227,7 @@ class LocalEngine:
     def copied_in(self, flat: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor, int]]:
         """Each chunk of ``flat`` (at most a slot) copied into this rank's slot of buffer ``e % 2``,
         and every peer's too (the round's sync): ``(e, chunk, k)``, ``k`` elements."""
-        for o, k in self._rounds(flat.numel(), self._cap(flat)):
+        for o, k in self.rounds(flat.numel(), self.cap(flat)):
             e = self.ch.next_round()
             chunk = flat[o:o + k] if k != flat.numel() else flat
             self.seg.regions(flat.dtype, 0, k)[e & 1][self.me].copy_(chunk)
@@ -249,7 +250,7 @@ class LocalEngine:
             self._reduce_pair(flat, root, fn)
             return
         rows, me, red = self.seg.rows(flat.dtype), self.me, rows_reducer(fn, flat.dtype)
-        for o, k in self._rounds(flat.numel(), self._cap(flat)):
+        for o, k in self.rounds(flat.numel(), self.cap(flat)):
             e = self.ch.next_round()
             buf = rows[e & 1]
             buf[me, :k].copy_(flat[o:o + k])
@@ -259,7 +260,7 @@ class LocalEngine:
 
     def _reduce_pair(self, flat: torch.Tensor, root: int, fn: Callable[..., Any]) -> None:
         me = self.me
-        for o, k in self._rounds(flat.numel(), self._cap(flat)):
+        for o, k in self.rounds(flat.numel(), self.cap(flat)):
             e = self.ch.next_round()
             buf = self.seg.regions(flat.dtype, 0, k)[e & 1]
             if me != root:
@@ -274,7 +275,7 @@ class LocalEngine:
         if self.n == 1 or not flat.numel():
             return
         me = self.me
-        for o, k in self._rounds(flat.numel(), self._cap(flat)):
+        for o, k in self.rounds(flat.numel(), self.cap(flat)):
             e = self.ch.next_round()
             buf = self.seg.regions(torch.uint8, 0, k)[e & 1]
             chunk = flat[o:o + k] if k != flat.numel() else flat
@@ -296,7 +297,7 @@ class LocalEngine:
             return
         rows = self.seg.rows(torch.uint8)
         spaced = rows_of(outs) if reads else None
-        for o, k in self._rounds(inp.numel(), self._cap(inp)):
+        for o, k in self.rounds(inp.numel(), self.cap(inp)):
             e = self.ch.next_round()
             buf = rows[e & 1]
             if root != me or root is None:
@@ -333,9 +334,9 @@ class LocalEngine:
             self._reduce_scatter_pair(inps, out, fn)
             return
         rows, red = self.seg.rows(out.dtype), rows_reducer(fn, out.dtype)
-        cap = self._cap(out, n)
+        cap = self.cap(out, n)
         spaced = rows_of(inps)
-        for o, c in self._rounds(out.numel(), cap):
+        for o, c in self.rounds(out.numel(), cap):
             e = self.ch.next_round()
             buf = rows[e & 1]
             mine = block(buf, n, c, cap, buf.storage_offset() + me * buf.stride(0))  # region r of my slot
@@ -350,9 +351,9 @@ class LocalEngine:
 
     def _reduce_scatter_pair(self, inps: Sequence[torch.Tensor], out: torch.Tensor, fn: Callable[..., Any]) -> None:
         me, other, m = self.me, 1 - self.me, out.numel()
-        cap = self._cap(out, 2)
+        cap = self.cap(out, 2)
         mine_in, their_in = inps[me], inps[other]
-        for o, c in self._rounds(m, cap):
+        for o, c in self.rounds(m, cap):
             e = self.ch.next_round()
             whole = c == m
             self.seg.regions(out.dtype, other * cap, c)[e & 1][me].copy_(their_in if whole else their_in[o:o + c])
@@ -369,9 +370,9 @@ class LocalEngine:
         if n == 1 or not out.numel():
             return
         rows = self.seg.rows(torch.uint8)
-        cap = self._cap(out, n)
+        cap = self.cap(out, n)
         spaced = rows_of(inps) if me == root and inps is not None else None
-        for o, c in self._rounds(out.numel(), cap):
+        for o, c in self.rounds(out.numel(), cap):
             e = self.ch.next_round()
             buf = rows[e & 1]
             if me == root:
@@ -399,7 +400,7 @@ class LocalEngine:
             return
         send, recv = self._exchange_sizes([t.numel() for t in ins], [t.numel() for t in outs])
         slots = self.seg.slots(torch.uint8)
-        cap = self._cap(ins[0], n)
+        cap = self.cap(ins[0], n)
         longest = max(max(row) for row in send)
         for o in range(0, longest, cap):
             e = self.ch.next_round()

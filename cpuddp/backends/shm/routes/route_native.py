@@ -21,11 +21,11 @@ class NativeRoute(NodeRoute):
     progress thread where one runs and the call is big or others wait -- not an AVG, whose
     division must be done before the next call may touch the tensor); what the library does
     not reduce (dtype, op) and the other collectives run on the Python engine, as on
-    :class:`NodeRoute`.  Its :class:`~cpuddp.backends.shm.routes.direct.Direct` (``group._direct``) is
-    asked before this route, by torch's method itself."""
+    :class:`NodeRoute`.  The group's :class:`~cpuddp.backends.shm.routes.direct.Direct`, where it
+    has one, is asked before this route, by torch's method itself."""
 
-    def __init__(self, group: Any, eng: Any, nat: Any) -> None:
-        super().__init__(group, eng)
+    def __init__(self, ex: Any, eng: Any, nat: Any) -> None:
+        super().__init__(ex, eng)
         self.nat = nat
 
     def all_reduce(self, tensors: List[Any], code: Any) -> Any:
@@ -37,9 +37,9 @@ class NativeRoute(NodeRoute):
         nat = self.nat
         if not nat.reduces(code, t.dtype):
             return self._all_reduce_python(tensors, t, code, fn)
-        g, size = self.g, self.size
-        if code != AVG and g._queues([t]):
-            return g._submit_native("all_reduce", [t], lambda call: nat.all_reduce(call, t, code), tensors, op=code)
+        ex, size = self.ex, self.size
+        if code != AVG and ex.queues([t]):
+            return ex.submit_native("all_reduce", [t], lambda call: nat.all_reduce(call, t, code), tensors, op=code)
 
         def native(call: Any) -> None:
             with staged(t, out=True) as flat:
@@ -47,17 +47,17 @@ class NativeRoute(NodeRoute):
                 if code == AVG:
                     flat.div_(size)
 
-        return g._run_native("all_reduce", [t], native, tensors, op=code)
+        return ex.run_native("all_reduce", [t], native, tensors, op=code)
 
     def reduce(self, tensors: List[Any], root: Any, code: Any) -> Any:
         t = tensors[0]
         check_tensors(tensors, "reduce")
         fn = reducer(code, t.dtype)
-        self.g._check_root(root)
+        self.ex.check_root(root)
         nat = self.nat
         if not nat.reduces(code, t.dtype):
             return self._reduce_python(tensors, t, root, code, fn)
-        mine, local = self.rank == root, self.g._local(root)
+        mine, local = self.rank == root, self.ex.local_rank_of(root)
 
         def native(call: Any) -> None:
             with staged(t, out=mine) as flat:
@@ -65,32 +65,32 @@ class NativeRoute(NodeRoute):
                 if code == AVG and mine:
                     flat.div_(self.size)
 
-        return self.g._run_native("reduce", [t], native, tensors, op=code, root=root)
+        return self.ex.run_native("reduce", [t], native, tensors, op=code, root=root)
 
     def broadcast(self, tensors: List[Any], root: Any) -> Any:
         t = tensors[0]
         check_tensors(tensors, "broadcast")
-        g = self.g
-        g._check_root(root)
-        nat, local = self.nat, g._local(root)
-        if g._queues([t]):
-            return g._submit_native("broadcast", [t], lambda call: nat.broadcast(call, flat_bytes(t), local),
+        ex = self.ex
+        ex.check_root(root)
+        nat, local = self.nat, ex.local_rank_of(root)
+        if ex.queues([t]):
+            return ex.submit_native("broadcast", [t], lambda call: nat.broadcast(call, flat_bytes(t), local),
                                     tensors, root=root)
 
         def native(call: Any) -> None:
             with staged(t, out=self.rank != root) as flat:
                 nat.run(call, nat.broadcast(call, flat_bytes(flat), local))
 
-        return g._run_native("broadcast", [t], native, tensors, root=root)
+        return ex.run_native("broadcast", [t], native, tensors, root=root)
 
     def all_gather_single(self, output: Any, inp: Any) -> Any:
         self._check_all_gather_single(output, inp)
-        g, nat = self.g, self.nat
-        if g._queues([output, inp]) and not call_args.overlaps_elsewhere(output, inp, self.rank):
-            return g._submit_native("all_gather_single", [inp],
+        ex, nat = self.ex, self.nat
+        if ex.queues([output, inp]) and not call_args.overlaps_elsewhere(output, inp, self.rank):
+            return ex.submit_native("all_gather_single", [inp],
                                     lambda call: nat.all_gather(call, flat_bytes(output), flat_bytes(inp)), output,
                                     keep=(inp,))
-        return g._run_native("all_gather_single", [inp], lambda call: self._native_gather(call, output, inp), output)
+        return ex.run_native("all_gather_single", [inp], lambda call: self._native_gather(call, output, inp), output)
 
     def _native_gather(self, call: Any, output: torch.Tensor, inp: torch.Tensor) -> None:
         """all_gather_single on the native path: the input is this rank's row of the output or
@@ -104,14 +104,14 @@ class NativeRoute(NodeRoute):
     def reduce_scatter_single(self, output: Any, inp: Any, code: Any) -> Any:
         self._check_reduce_scatter_single(output, inp)
         fn = reducer(code, output.dtype)
-        g, nat = self.g, self.nat
+        ex, nat = self.ex, self.nat
         if not nat.reduces(code, output.dtype):
             return self._reduce_scatter_single_python(output, inp, code, fn)
-        if code != AVG and g._queues([output, inp]) and not call_args.overlaps(output, inp):
-            return g._submit_native("reduce_scatter_single", [output],
+        if code != AVG and ex.queues([output, inp]) and not call_args.overlaps(output, inp):
+            return ex.submit_native("reduce_scatter_single", [output],
                                     lambda call: nat.reduce_scatter(call, output, inp, code), output,
                                     keep=(inp,), op=code)
-        return g._run_native("reduce_scatter_single", [output],
+        return ex.run_native("reduce_scatter_single", [output],
                              lambda call: self._native_scatter(call, output, inp, code), output, op=code)
 
     def _native_scatter(self, call: Any, output: torch.Tensor, inp: torch.Tensor, code: Any) -> None:
@@ -128,4 +128,4 @@ class NativeRoute(NodeRoute):
 
     def barrier(self) -> Any:
         nat = self.nat
-        return self.g._run_native("barrier", [], lambda call: nat.run(call, nat.barrier(call)), None)
+        return self.ex.run_native("barrier", [], lambda call: nat.run(call, nat.barrier(call)), None)

@@ -22,12 +22,13 @@ __all__ = ["NodeRoute", "CrossRoute"]
 
 class NodeRoute(Route):
     """One node's collectives in shared memory on the Python engine ``eng``: each call checked,
-    then posted with a body through the group's ``_run`` (:class:`~cpuddp.backends.shm.group.process_group.ShmProcessGroup`).
-    The data legs (``_leg_*``) are this node's engine; :class:`CrossRoute` replaces them."""
+    then posted with a body through the group's executor ``ex``
+    (:class:`~cpuddp.backends.shm.routes.executor.Executor`).  The data legs (``_leg_*``) are
+    this node's engine; :class:`CrossRoute` replaces them."""
 
-    def __init__(self, group: Any, eng: Any) -> None:
-        self.g, self.eng = group, eng
-        self.rank, self.size = group.rank(), group.size()
+    def __init__(self, ex: Any, eng: Any) -> None:
+        self.ex, self.eng = ex, eng
+        self.rank, self.size = ex.rank, ex.size
         #: what moves bytes between every rank: the node's engine here, the hierarchy across nodes
         self.data: Any = eng
 
@@ -37,20 +38,20 @@ class NodeRoute(Route):
         self.eng.all_reduce(flat, fn)
 
     def _leg_reduce(self, flat: torch.Tensor, root: int, code: Any, fn: Callable[..., Any]) -> None:
-        self.eng.reduce(flat, self.g._local(root), fn)
+        self.eng.reduce(flat, self.ex.local_rank_of(root), fn)
 
     def _leg_broadcast(self, flat: torch.Tensor, root: int) -> None:
-        self.eng.broadcast(flat, self.g._local(root))
+        self.eng.broadcast(flat, self.ex.local_rank_of(root))
 
     def _leg_gather(self, fin: torch.Tensor, flats: Optional[List[torch.Tensor]], root: int) -> None:
-        self.eng.all_gather(fin, flats if flats is not None else [None] * self.size, self.g._local(root))
+        self.eng.all_gather(fin, flats if flats is not None else [None] * self.size, self.ex.local_rank_of(root))
 
     def _leg_reduce_scatter(self, flats: List[torch.Tensor], dst: torch.Tensor, code: Any,
                             fn: Callable[..., Any]) -> None:
         self.eng.reduce_scatter(flats, dst, fn)
 
     def _leg_scatter(self, fins: Optional[List[torch.Tensor]], fout: torch.Tensor, root: int) -> None:
-        self.eng.scatter(fins, fout, self.g._local(root))
+        self.eng.scatter(fins, fout, self.ex.local_rank_of(root))
 
     def _rows(self, flat: torch.Tensor) -> Any:
         """The output's rows as one [n, bytes] view: no object per rank."""
@@ -61,7 +62,7 @@ class NodeRoute(Route):
     def _all_reduce_sparse(self, tensors: List[Any], t: torch.Tensor, code: Any) -> Any:
         check_sparse(t, code)
         gather = self.data.all_gather
-        return self.g._run("all_reduce_sparse", sparse_call(t), lambda: all_reduce_sparse(t, code, self.size, gather),
+        return self.ex.run("all_reduce_sparse", sparse_call(t), lambda: all_reduce_sparse(t, code, self.size, gather),
                            tensors, op=code)
 
     def all_reduce(self, tensors: List[Any], code: Any) -> Any:
@@ -76,7 +77,7 @@ class NodeRoute(Route):
             with staged(t, out=True) as flat:
                 self._all_reduce(flat, code, fn)
 
-        return self.g._run("all_reduce", [t], body, tensors, op=code)
+        return self.ex.run("all_reduce", [t], body, tensors, op=code)
 
     def _all_reduce(self, flat: torch.Tensor, code: Any, fn: Callable[..., Any]) -> None:
         self._leg_all_reduce(flat, code, fn)
@@ -92,13 +93,13 @@ class NodeRoute(Route):
                 with staged(t, out=True) as flat:
                     self._all_reduce(flat, code, fn)
 
-        return self.g._run("all_reduce_coalesced", tensors, body, tensors, op=code)
+        return self.ex.run("all_reduce_coalesced", tensors, body, tensors, op=code)
 
     def reduce(self, tensors: List[Any], root: Any, code: Any) -> Any:
         t = tensors[0]
         check_tensors(tensors, "reduce")
         fn = reducer(code, t.dtype)
-        self.g._check_root(root)
+        self.ex.check_root(root)
         return self._reduce_python(tensors, t, root, code, fn)
 
     def _reduce_python(self, tensors: List[Any], t: torch.Tensor, root: int, code: Any, fn: Callable[..., Any]) -> Any:
@@ -110,20 +111,20 @@ class NodeRoute(Route):
                 if code == AVG and mine:
                     flat.div_(self.size)
 
-        return self.g._run("reduce", [t], body, tensors, op=code, root=root)
+        return self.ex.run("reduce", [t], body, tensors, op=code, root=root)
 
     # ------------------------------------------------------------------ broadcast
 
     def broadcast(self, tensors: List[Any], root: Any) -> Any:
         t = tensors[0]
         check_tensors(tensors, "broadcast")
-        self.g._check_root(root)
+        self.ex.check_root(root)
 
         def body() -> None:
             with staged(t, out=self.rank != root) as flat:
                 self._leg_broadcast(flat_bytes(flat), root)
 
-        return self.g._run("broadcast", [t], body, tensors, root=root)
+        return self.ex.run("broadcast", [t], body, tensors, root=root)
 
     # ------------------------------------------------------------------ all_gather, gather
 
@@ -131,7 +132,7 @@ class NodeRoute(Route):
         inputs = call_args.one_tensor(inputs, "all_gather")
         check_tensors([*inputs, *outputs[0]], "all_gather")
         outs = call_args.same_as_input(outputs[0], inputs[0], self.size, self.rank, "all_gather")
-        return self.g._run("all_gather", inputs, lambda: self._all_gather(inputs[0], outs), outputs)
+        return self.ex.run("all_gather", inputs, lambda: self._all_gather(inputs[0], outs), outputs)
 
     def _all_gather(self, inp: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         with contextlib.ExitStack() as stack:
@@ -150,7 +151,7 @@ class NodeRoute(Route):
 
     def all_gather_single(self, output: Any, inp: Any) -> Any:
         self._check_all_gather_single(output, inp)
-        return self.g._run("all_gather_single", [inp], lambda: self._all_gather_single(output, inp), output)
+        return self.ex.run("all_gather_single", [inp], lambda: self._all_gather_single(output, inp), output)
 
     def all_gather_single_coalesced(self, outputs: List[Any], inputs: List[Any]) -> Any:
         check_tensors([*outputs, *inputs], "all_gather_single_coalesced")
@@ -161,7 +162,7 @@ class NodeRoute(Route):
             for o, i in zip(outputs, inputs):
                 self._all_gather_single(o, i)
 
-        return self.g._run("all_gather_single_coalesced", inputs, body, outputs)
+        return self.ex.run("all_gather_single_coalesced", inputs, body, outputs)
 
     def all_gather_coalesced(self, outputs: Any, inputs: Any) -> Any:
         inputs = list(inputs)
@@ -173,11 +174,11 @@ class NodeRoute(Route):
             for o, i in zip(outs, inputs):
                 self._all_gather(i, o)
 
-        return self.g._run("all_gather_coalesced", inputs, body, outputs)
+        return self.ex.run("all_gather_coalesced", inputs, body, outputs)
 
     def gather(self, outputs: Any, inputs: Any, root: Any) -> Any:
         inp = call_args.one_tensor(inputs, "gather")[0]
-        self.g._check_root(root)
+        self.ex.check_root(root)
         outs = None
         if self.rank == root:
             check_tensors([inp, *(outputs[0] if outputs else [])], "gather")
@@ -187,7 +188,7 @@ class NodeRoute(Route):
                                fix="pass gather_list on the root (dst) only")
         else:
             check_tensors([inp], "gather")
-        return self.g._run("gather", [inp], lambda: self._gather(outs, inp, root), outputs, root=root)
+        return self.ex.run("gather", [inp], lambda: self._gather(outs, inp, root), outputs, root=root)
 
     def _gather(self, outs: Optional[List[torch.Tensor]], inp: torch.Tensor, root: int) -> None:
         with contextlib.ExitStack() as stack:
@@ -202,7 +203,7 @@ class NodeRoute(Route):
         check_tensors([out, *inputs[0]], "reduce_scatter")
         parts = call_args.same_as_input(inputs[0], out, self.size, self.rank, "reduce_scatter")
         fn = reducer(code, out.dtype)
-        return self.g._run("reduce_scatter", [out], lambda: self._reduce_scatter(out, parts, code, fn), outputs,
+        return self.ex.run("reduce_scatter", [out], lambda: self._reduce_scatter(out, parts, code, fn), outputs,
                            op=code)
 
     def _check_reduce_scatter_single(self, output: Any, inp: Any) -> None:
@@ -215,7 +216,7 @@ class NodeRoute(Route):
         return self._reduce_scatter_single_python(output, inp, code, fn)
 
     def _reduce_scatter_single_python(self, output: Any, inp: Any, code: Any, fn: Callable[..., Any]) -> Any:
-        return self.g._run("reduce_scatter_single", [output],
+        return self.ex.run("reduce_scatter_single", [output],
                            lambda: self._reduce_scatter_single(output, inp, code, fn), output, op=code)
 
     def reduce_scatter_single_coalesced(self, outputs: List[Any], inputs: List[Any], code: Any) -> Any:
@@ -228,7 +229,7 @@ class NodeRoute(Route):
             for out, inp, fn in zip(outputs, inputs, fns):
                 self._reduce_scatter_single(out, inp, code, fn)
 
-        return self.g._run("reduce_scatter_single_coalesced", outputs, body, outputs, op=code)
+        return self.ex.run("reduce_scatter_single_coalesced", outputs, body, outputs, op=code)
 
     def _reduce_scatter_single(self, out: torch.Tensor, inp: torch.Tensor, code: Any, fn: Callable[..., Any]) -> None:
         with staged(inp, out=False) as flat:
@@ -255,14 +256,14 @@ class NodeRoute(Route):
 
     def scatter(self, outputs: Any, inputs: Any, root: Any) -> Any:
         out = call_args.one_tensor(outputs, "scatter")[0]
-        self.g._check_root(root)
+        self.ex.check_root(root)
         parts: Optional[List[torch.Tensor]] = None
         if self.rank == root:
             check_tensors([out, *(inputs[0] if inputs else [])], "scatter")
             parts = call_args.same_as_input(inputs[0] if inputs else [], out, self.size, self.rank, "scatter")
         else:
             check_tensors([out], "scatter")
-        return self.g._run("scatter", [out], lambda: self._scatter(out, parts, root), outputs, root=root)
+        return self.ex.run("scatter", [out], lambda: self._scatter(out, parts, root), outputs, root=root)
 
     def _scatter(self, out: torch.Tensor, parts: Optional[List[torch.Tensor]], root: int) -> None:
         with contextlib.ExitStack() as stack:
@@ -277,7 +278,7 @@ class NodeRoute(Route):
         if len(outs) != self.size or len(ins) != self.size:
             raise BackendError(f"all_to_all: rank {self.rank} passed {len(ins)} inputs and {len(outs)} outputs",
                                fix=f"pass one of each per rank ({self.size})")
-        return self.g._run("all_to_all", agreed, lambda: self._all_to_all(outs, ins), result)
+        return self.ex.run("all_to_all", agreed, lambda: self._all_to_all(outs, ins), result)
 
     def all_to_all_single(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes: Any,
                           input_split_sizes: Any, agreed: Sequence[torch.Tensor]) -> Any:
@@ -289,7 +290,7 @@ class NodeRoute(Route):
                 outs = call_args.split_rows(flat.view(output.shape), output_split_sizes, self.size, "output")
                 self._all_to_all(outs, ins)
 
-        return self.g._run("all_to_all_single", agreed, body, output)
+        return self.ex.run("all_to_all_single", agreed, body, output)
 
     def _all_to_all(self, outs: Sequence[torch.Tensor], ins: Sequence[torch.Tensor]) -> None:
         with contextlib.ExitStack() as stack:
@@ -298,7 +299,7 @@ class NodeRoute(Route):
             self.eng.all_to_all(fins, fouts)
 
     def barrier(self) -> Any:
-        return self.g._run("barrier", [], self.data.barrier, None)
+        return self.ex.run("barrier", [], self.data.barrier, None)
 
 
 class CrossRoute(WorldAllToAll, NodeRoute):
@@ -306,8 +307,8 @@ class CrossRoute(WorldAllToAll, NodeRoute):
     (:class:`~cpuddp.backends.shm.cross.hierarchy.Hierarchy`: shared memory inside the node, its cross group
     between nodes); all_to_all on ``world``, the gloo group of every rank."""
 
-    def __init__(self, group: Any, eng: Any, hier: Any, world: Any) -> None:
-        super().__init__(group, eng)
+    def __init__(self, ex: Any, eng: Any, hier: Any, world: Any) -> None:
+        super().__init__(ex, eng)
         self.hier, self.world = hier, world
         self.data = hier
 
