@@ -40,7 +40,7 @@ def series(result: dict[str, Any]) -> tuple[list[int], dict[str, list[float]], l
     meta, rows = result["meta"], result["rows"]
     names = meta["backends"]
     if len(names) != 2:
-        raise SystemExit(f"plot_readme: the result compares {names}; it needs exactly two backends (--backend gloo,shm)")
+        raise SystemExit(f"plot_readme: the result compares {names}; it needs two backends (cpuddp bench --backend gloo,shm)")
     times = {b: [r["backends"][b]["time_us"] for r in rows] for b in names}
     return [r["size"] for r in rows], times, [r["ratio"][names[1]] for r in rows]
 

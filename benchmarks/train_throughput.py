@@ -290,8 +290,8 @@ def plot_title(doc: dict[str, Any], cpu: Optional[str] = None, backend: Optional
     return (f"BERT-style cross-encoder (11.2 M parameters, seq {m['args']['seq_len']}, global batch "
             f"{m['args']['global_batch']}): cpuddp's loop vs Hugging Face Trainer\n"
             f"{cpu or m['cpu']}, torch {m['torch'].split('+')[0]}\n"
-            f"1 rank x {cores} thread(s), 2 ranks x {max(1, cores // 2)}; 2-rank DDP: cpuddp's on {ddp}, Trainer's on gloo; "
-            f"{m['date'][:10]}")
+            f"1 rank x {cores} thread(s), 2 ranks x {max(1, cores // 2)}; "
+            f"2-rank DDP: cpuddp's on {ddp}, Trainer's on gloo; {m['date'][:10]}")
 
 
 def markdown(summary: dict[str, Any], rat: dict[str, Any], m: dict[str, Any], runs: Sequence[dict[str, Any]] = ()) -> str:
