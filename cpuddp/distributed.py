@@ -155,7 +155,7 @@ class _Process:
 
     lock: "threading.RLock" = field(default_factory=threading.RLock)
     current: Optional[Session] = None
-    undo: Optional[_Undo] = None  # what the current session's init put in place
+    undo: Optional[_Undo] = None  # what the init of ``current`` put in place
     generation: int = 0  # how many inits this process began (the store keys of each are its own)
     #: Set when torch's teardown of our group did not return: that group cannot be reused.
     abandoned: Optional[str] = None

@@ -408,7 +408,7 @@ def _rank_info() -> dict[str, Any]:
 def exchange_json(value: Any, group: Any = None) -> list[Any]:
     """Every rank's JSON-able ``value``, in rank order, through two tensor collectives.
 
-    Not ``all_gather_object``: that needs numpy, which a bare torch install lacks (issue 11).
+    Not ``all_gather_object``: that needs numpy, which a bare torch install lacks.
     """
     import torch
     import torch.distributed as dist
