@@ -167,7 +167,9 @@ def plot_title(meta: dict, cpu: str | None = None) -> str:
     """What pinning.png shows: the workload, the layout, the CPU and torch (``cpu`` stands in for a
     result whose meta names the CPU without its generation)."""
     params = meta["model"].rsplit(", ", 1)[-1].split()[0]
-    model = f"{meta['model'].split(':')[0]} ({int(params) / 1e6:.1f} M parameters)" if params.isdigit() else meta["model"]
+    model = meta["model"]
+    if params.isdigit():
+        model = f"{model.split(':')[0]} ({int(params) / 1e6:.1f} M parameters)"
     return (f"DDP over gloo by pinning setup, {meta['world']} ranks x batch {meta['batch_per_rank']}, "
             f"medians of {meta['repeats']} interleaved runs\n{model}\n{cpu or meta['cpu_model']}, "
             f"{meta['cpus']} CPUs, torch {meta['torch'].split('+')[0]}")
