@@ -132,11 +132,11 @@ def test_the_leg_travels_as_group_options_and_the_users_setting_wins(caplog):
     assert "CPUDDP_SHM_INTER" not in backend_env(env, choice, None, {"GLOO_SOCKET_IFNAME": "eth0"})
 
 
-def test_a_leg_that_is_neither_gloo_nor_ccl_is_a_clear_error():
+def test_a_leg_that_is_not_gloo_ccl_or_mpi_is_a_clear_error():
     from cpuddp.errors import BackendError
 
-    with pytest.raises(BackendError, match=r"CPUDDP_SHM_INTER='mpi'.*\n.*CPUDDP_SHM_INTER=gloo or CPUDDP_SHM_INTER=ccl"):
-        user_leg(BackendChoice("shm", "auto", "cpuddp.shm", inter="gloo"), {"CPUDDP_SHM_INTER": "mpi"})
+    with pytest.raises(BackendError, match=r"CPUDDP_SHM_INTER='nccl'.*\n.*CPUDDP_SHM_INTER to one of gloo, ccl, mpi"):
+        user_leg(BackendChoice("shm", "auto", "cpuddp.shm", inter="gloo"), {"CPUDDP_SHM_INTER": "nccl"})
 
 
 def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes():

@@ -311,7 +311,7 @@ class BackendSpec:
         """A process group of this backend over ``store`` (shm's node-to-node leg); only the
         backends that can be a leg have one."""
         raise BackendError(f"backend {self.name!r} cannot carry the shm group's node-to-node leg",
-                           fix="use gloo or ccl between nodes (CPUDDP_SHM_INTER)")
+                           fix="use gloo, ccl or mpi between nodes (CPUDDP_SHM_INTER)")
 
 
 #: name -> :class:`BackendSpec`, filled by :mod:`cpuddp.backends.registry` (which every import of

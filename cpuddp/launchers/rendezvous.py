@@ -32,6 +32,7 @@ from cpuddp.errors import LauncherEnvError, RendezvousError, first_line
 from cpuddp.topology import here
 
 from .env import DistEnv
+from .mpi import start
 from .parsers import is_loopback
 from .registry import LAUNCHER_NAMES
 from .store_values import job_key_value, shown
@@ -285,8 +286,8 @@ def mpi_master_addr(env: DistEnv) -> str:
         "`mpirun -x MASTER_ADDR=... ...`), or `pip install cpuddp[mpi]` so cpuddp can ask rank 0 over MPI"
     )
     try:
-        from mpi4py import MPI  # lazy: importing mpi4py initializes MPI
-    except ImportError:
+        MPI = start()  # every rank of an MPI launcher's multi-node job without MASTER_ADDR comes here
+    except (ImportError, RuntimeError):
         raise LauncherEnvError(
             f"this is a {env.num_nodes}-node {name} job and MASTER_ADDR is not set",
             variable="MASTER_ADDR", value=None, launcher=name, fix=fix,

@@ -126,11 +126,12 @@ def _legs_differ(rank: int, legs: list[str], said: list[str]) -> None:
                       for r, (leg, s) in enumerate(zip(legs, said)) if r == rank or leg != legs[rank])
     shown = shown if len(shown) <= 400 else shown[:397] + "..."
     raise BackendError(f"rank {rank}: the ranks' shm node-to-node legs differ: {shown}",
-                       fix=f"set the same {INTER_VAR} (gloo or ccl) on every node, or unset it everywhere")
+                       fix=f"set the same {INTER_VAR} ({', '.join(LEGS)}) on every node, or unset it everywhere")
 
 
 def shm_options(choice: BackendChoice, *, async_comm: Optional[bool] = None, local_size: Optional[int] = None,
                 cpus: Optional[Tuple[int, ...]] = None) -> ShmOptions:
     """The shm group's options (``pg_options``): the agreed node-to-node leg (gloo without one);
     ``async_comm``, ``local_size`` and ``cpus`` as :class:`~cpuddp.backends.shm.api.ShmOptions`."""
-    return ShmOptions(inter=choice.inter or LEGS[0], async_comm=async_comm, local_size=local_size, cpus=cpus)
+    return ShmOptions(inter=choice.inter or LEGS[0], require_leg=choice.inter_set, async_comm=async_comm,
+                      local_size=local_size, cpus=cpus)
