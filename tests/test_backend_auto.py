@@ -146,6 +146,7 @@ def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes():
     import torch.distributed as dist
 
     from cpuddp.backends.agreement import agree_backend
+    from cpuddp.launchers.hosts import sharing
 
     mine = BackendChoice("shm", "auto: test", "cpuddp.shm", "auto", inter="ccl")
     td = datetime.timedelta(seconds=5)
@@ -153,12 +154,12 @@ def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes():
     store = dist.HashStore()
     store.set("b/1", "shm")
     store.set("b/inter/1", "gloo")  # rank 1's node has no working bindings
-    choice = agree_backend(mine, "auto", env, store, "b", td)
+    choice = agree_backend(mine, "auto", env, sharing(store, 0, 2, td), "b")
     assert (choice.name, choice.inter) == ("shm", "gloo") and "not every rank has working oneCCL" in choice.reason
     store = dist.HashStore()
     store.set("c/1", "shm")
     store.set("c/inter/1", "ccl")
-    assert agree_backend(mine, "auto", env, store, "c", td).inter == "ccl"
+    assert agree_backend(mine, "auto", env, sharing(store, 0, 2, td), "c").inter == "ccl"
 
 
 def test_auto_reaches_one_answer_on_every_node_of_an_uneven_job():

@@ -36,6 +36,7 @@ from cpuddp.errors import BackendError
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
+    from cpuddp.launchers.hosts import Share
 
 
 __all__ = ["BackendName", "BackendStatus", "BackendChoice", "BackendSpec", "BACKENDS", "backend_for", "Lookups",
@@ -241,10 +242,10 @@ class BackendSpec:
         has such variables); read once, before the ranks agree."""
         return choice
 
-    def agree(self, choice: BackendChoice, env: "DistEnv", store: Any, key: str,
-              td: datetime.timedelta) -> BackendChoice:
-        """What else of ``choice`` the ranks must share, agreed through ``store`` under exchange
-        ``key/...`` once every rank chose this backend (nothing, unless the backend has more)."""
+    def agree(self, choice: BackendChoice, env: "DistEnv", share: "Share", key: str) -> BackendChoice:
+        """What else of ``choice`` the ranks must share, agreed through ``share`` (this rank's
+        exchange over the job's store) under exchange ``key/...`` once every rank chose this
+        backend (nothing, unless the backend has more)."""
         return choice
 
     # ------------------------------------------------------------ planning

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from cpuddp.errors import RendezvousError
 from cpuddp.topology.here import allowed_cpus, host_identity, hostname_of, pid_namespace
@@ -40,6 +40,8 @@ __all__ = [
     "HostRecord",
     "Layout",
     "exchange",
+    "Share",
+    "sharing",
     "publish_error",
     "gather_hosts",
     "parse_record",
@@ -257,6 +259,24 @@ def exchange(store: Any, name: str, rank: int, world_size: int, value: str,
                 fix=f"see rank {r}'s log for the cause; every rank stops with it",
             )
     return values
+
+
+#: ``share(name, value, what)``: this rank's :func:`exchange` with its place in the job, the store and
+#: the timeout bound -- every rank's value of exchange ``name`` in rank order (``what`` names the
+#: exchange in errors).
+Share = Callable[[str, str, str], List[str]]
+
+
+def sharing(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Optional[Share]:
+    """:func:`exchange` over ``store`` for this rank of this job, as one callable (None without a
+    store: a world of one): what the backend's agreement is handed (it never sees the store)."""
+    if store is None:
+        return None
+
+    def share(name: str, value: str, what: str) -> list[str]:
+        return exchange(store, name, rank, world_size, value, timeout, what=what)
+
+    return share
 
 
 #: seconds a rank waits for the others in an exchange before it says whom it waits for (once)

@@ -20,13 +20,12 @@ Environment variables read: ``CPUDDP_SHM_INTER`` (:meth:`ShmBackend.with_user_se
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
 
 from cpuddp.errors import BackendError
-from cpuddp.launchers import hosts, store_values
+from cpuddp.launchers import store_values
 
 from ..auto import inter_leg
 from ..types import BACKENDS, BackendChoice, BackendName, BackendSpec, BackendStatus, Lookups
@@ -35,6 +34,7 @@ from .api import INTER_VAR, LEGS, ShmOptions, user_leg
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
+    from cpuddp.launchers.hosts import Share
 
 
 __all__ = ["ShmBackend", "shm_options"]
@@ -53,7 +53,7 @@ class ShmBackend(BackendSpec):
     averages_in_reduce_scatter = False
 
     def named_choice(self, st: BackendStatus, env: "DistEnv", lk: Lookups) -> BackendChoice:
-        return dataclasses.replace(super().named_choice(st, env, lk), inter=self.rule_leg(env, lk))
+        return replace(super().named_choice(st, env, lk), inter=self.rule_leg(env, lk))
 
     def rule_leg(self, env: "DistEnv", lk: Lookups) -> Optional[str]:
         """The node-to-node leg by the rule (None on one node): the same rule as auto's."""
@@ -80,10 +80,9 @@ class ShmBackend(BackendSpec):
         if choice.inter is not None and leg != choice.inter:
             log.info("cpuddp: %s=%s is your setting and is kept (the rule would take %s between nodes)",
                      INTER_VAR, environ.get(INTER_VAR), choice.inter)
-        return dataclasses.replace(choice, inter=leg, inter_set=True)
+        return replace(choice, inter=leg, inter_set=True)
 
-    def agree(self, choice: BackendChoice, env: "DistEnv", store: Any, key: str,
-              td: datetime.timedelta) -> BackendChoice:
+    def agree(self, choice: BackendChoice, env: "DistEnv", share: "Share", key: str) -> BackendChoice:
         """The node-to-node leg every rank forms (exchange ``key/inter``): oneCCL only when every
         rank has working bindings, else gloo (a warning names each rank's leg); where some rank
         set the leg itself (``CPUDDP_SHM_INTER``) and the legs differ, an error naming each rank's.
@@ -92,7 +91,7 @@ class ShmBackend(BackendSpec):
         if choice.inter is None:  # one node: no leg
             return choice
         mine = choice.inter + (_SET if choice.inter_set else "")
-        said = hosts.exchange(store, f"{key}/inter", env.rank, env.world_size, mine, td, what="backend")
+        said = share(f"{key}/inter", mine, "backend")
         said = [store_values.backend_name(f"{key}/inter/{r}", n) for r, n in enumerate(said)]
         legs = [n[:-len(_SET)] if n.endswith(_SET) else n for n in said]
         if len(set(legs)) == 1:
@@ -102,8 +101,8 @@ class ShmBackend(BackendSpec):
         if env.is_main:
             log.warning("cpuddp: between nodes gloo, not %s: not every rank has working oneCCL bindings (%s)",
                         choice.inter, ", ".join(f"rank {r}: {n}" for r, n in enumerate(legs) if n != choice.inter)[:400])
-        return dataclasses.replace(choice, inter=LEGS[0], reason=f"{choice.reason}; between nodes gloo after all: not "
-                                   f"every rank has working oneCCL bindings ({', '.join(sorted(set(legs)))})")
+        return replace(choice, inter=LEGS[0], reason=f"{choice.reason}; between nodes gloo after all: not "
+                       f"every rank has working oneCCL bindings ({', '.join(sorted(set(legs)))})")
 
     def worker_cores(self, choice: BackendChoice, environ: Mapping[str, str]) -> int:
         leg = choice.leg
