@@ -257,11 +257,11 @@ def _log_ready(current: Session) -> None:
 
 
 def _data_path() -> str:
-    """``" (native data path, avx512)"``: which data path the shm group's node runs, and why; or ""."""
+    """``" (native data path, avx512; between nodes MPI (...))"``: the shm group's paths, or ""."""
     import torch.distributed as dist
 
     try:
-        path = getattr(dist.distributed_c10d._get_default_group(), "data_path", "")
+        path = getattr(dist.distributed_c10d._get_default_group(), "paths", "")
     except (RuntimeError, ValueError, AttributeError):
         return ""
     return f" ({path})" if path else ""

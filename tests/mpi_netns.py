@@ -112,12 +112,13 @@ def libmpi(kind: str) -> str:
     return str(lib)
 
 
-def mpi_command(kind: str, hosts: Hosts, ppn: int, argv: Sequence[str], env: dict[str, str]) -> list[str]:
+def mpi_command(kind: str, hosts: Hosts, ppn: int, argv: Sequence[str], env: dict[str, str],
+                launcher_args: Sequence[str] = ()) -> list[str]:
     """``kind``'s mpiexec command starting ``argv`` (a Python script's) on ``ppn`` ranks per host,
     the ranks' environment ``env`` forwarded as that launcher forwards it."""
     exe = launcher_path(kind)
     n, agent = ppn * len(hosts.addrs), str(AGENT)
-    prog = [sys.executable, *argv]
+    prog = [*launcher_args, sys.executable, *argv]
     if kind == "openmpi":
         host = ",".join(f"{a}:{ppn}" for a in hosts.addrs)
         fwd = [w for k, v in env.items() for w in ("-x", f"{k}={v}")]
@@ -141,7 +142,7 @@ class Run:
 
 
 def run_mpi(kind: str, hosts: Hosts, ppn: int, argv: Sequence[str], env: dict[str, str], log: Path,
-            timeout: float) -> Run:
+            timeout: float, launcher_args: Sequence[str] = ()) -> Run:
     """Run ``kind``'s mpiexec in the first host (its own hostname too), at most ``timeout`` s; its
     process group is killed at the end, and the hosts' namespaces are emptied by their owner."""
     from cpuddp.testing import clean_environ
@@ -151,7 +152,7 @@ def run_mpi(kind: str, hosts: Hosts, ppn: int, argv: Sequence[str], env: dict[st
     full["CPUDDP_TEST_HOSTS"] = str(hosts.table)
     if kind == "openmpi":
         full.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    inner = mpi_command(kind, hosts, ppn, argv, env)
+    inner = mpi_command(kind, hosts, ppn, argv, env, launcher_args)
     cmd = ["ip", "netns", "exec", hosts.namespaces[0], "unshare", "--uts", "/bin/sh", "-c",
            'hostname "$0" && exec "$@"', hosts.names[0], *inner]
     start = time.monotonic()

@@ -39,6 +39,15 @@ def _reports(out: Path, n: int, run) -> list[dict]:
     return found
 
 
+def test_without_master_addr_a_wrong_mpi_is_named(tmp_path):
+    """rank 0's address is asked over MPI: an mpi4py whose MPI is not the launcher's says so."""
+    run, out = _job("mpich", 2, 1, "leg", tmp_path, timeout=120, MPI4PY_LIBMPI=libmpi("openmpi"))
+    assert run.returncode not in (0, None)
+    reports = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    assert reports and all("MASTER_ADDR is not set" in r.get("error", "") for r in reports), reports
+    assert all("not the launcher's" in r["error"] for r in reports), reports
+
+
 def _job(kind: str, hosts_n: int, ppn: int, mode: str, tmp_path: Path, timeout: float = 240, **env: str):
     out = tmp_path / f"{mode}-{kind}-{hosts_n}x{ppn}-{env.get('CPUDDP_SHM_INTER', 'auto')}"
     out.mkdir()
@@ -59,3 +68,133 @@ def test_every_collective_on_the_mpi_leg(kind, hosts_n, ppn, tmp_path):
         assert r["leg"].startswith("MPI ("), r
     assert len({r["digest"] for r in reports}) == 1, "ranks hold different bits"
     assert run.returncode == 0, run.output[-3000:]
+
+
+# --------------------------------------------------------------------------- chosen by auto
+
+
+@pytest.mark.parametrize("hosts_n, ppn", [(2, 1), (2, 2)])
+def test_auto_takes_the_mpi_leg_under_an_mpi_launcher(hosts_n, ppn, tmp_path):
+    run, out = _job("mpich", hosts_n, ppn, "leg", tmp_path)
+    for r in _reports(out, hosts_n * ppn, run):
+        assert r.get("ok"), r.get("traceback") or r
+        assert r["backend"] == "shm" and r["leg"].startswith("MPI (MPICH"), r
+        if ppn == 2:
+            assert "native data path" in r["data_path"] or "Python data path" in r["data_path"], r
+    assert run.returncode == 0, run.output[-3000:]
+
+
+# --------------------------------------------------------------------------- training
+
+
+@pytest.mark.parametrize("shard", ["", "optimizer"])
+def test_ddp_on_the_mpi_leg_follows_the_gloo_legs_losses(shard, tmp_path):
+    got = {}
+    for leg in ("gloo", "mpi"):
+        run, out = _job("mpich", 2, 2, "train", tmp_path, CPUDDP_SHM_INTER=leg, MPI_LEG_SHARD=shard)
+        reports = _reports(out, 4, run)
+        assert all(r.get("ok") for r in reports), [r.get("traceback") for r in reports]
+        assert len({r["weights"] for r in reports}) == 1, f"{leg}: the ranks' weights differ"
+        assert all(r["leg"].lower().startswith(leg) for r in reports), reports[0]["leg"]
+        got[leg] = reports[0]["losses"]
+    assert got["mpi"] == pytest.approx(got["gloo"], rel=1e-5, abs=1e-6), got
+
+
+# --------------------------------------------------------------------------- failures
+
+
+def test_a_rank_that_raises_ends_every_rank_with_its_error(tmp_path):
+    run, out = _job("mpich", 2, 2, "raises", tmp_path, timeout=120, CPUDDP_SHM_INTER="mpi")
+    assert run.returncode not in (0, None), run.output[-3000:]
+    assert run.seconds < 60, f"the job took {run.seconds:.0f} s to end"
+    reports = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    raised = [r for r in reports if r.get("error", "").startswith("ValueError")]
+    assert [r["rank"] for r in raised] == [3], reports
+    for r in reports:  # every other rank ended too, its output naming rank 3's error
+        if r["rank"] != 3:
+            assert r.get("error"), r
+            assert f"cpuddp: [rank{r['rank']}] lost rank(s) [3]: rank 3" in run.output, run.output[-3000:]
+
+
+def test_ranks_that_call_different_collectives_get_a_mismatch_naming_both(tmp_path):
+    run, out = _job("mpich", 2, 1, "mismatch", tmp_path, timeout=120, CPUDDP_SHM_INTER="mpi", MPI_LEG_BACKEND="shm")
+    assert run.returncode not in (0, None)
+    reports = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    assert reports and all("CallMismatch" in r.get("error", "") for r in reports), reports
+    for r in reports:
+        assert "rank 0: all_reduce(SUM, float32, 3 elements)" in r["error"], r["error"]
+        assert "rank 1: all_reduce(SUM, float32, 4 elements)" in r["error"], r["error"]
+
+
+@pytest.mark.parametrize("cleanup", [True, False])
+def test_a_killed_rank_ends_the_job_without_orphans(cleanup, tmp_path):
+    """The launcher ends the job at once and names the process it lost (Hydra: "BAD
+    TERMINATION"); told not to (``-disable-auto-cleanup``), the ranks waiting on the MPI leg see
+    the lost rank through the watchdog within seconds and end with cpuddp's error, which names it."""
+    out = tmp_path / f"killed-{cleanup}"
+    out.mkdir()
+    env = _env("mpich", CPUDDP_SHM_INTER="mpi", MPI_LEG_KILL="1")
+    with netns_hosts(2, out) as hosts:
+        extra = [] if cleanup else ["-disable-auto-cleanup"]
+        run = run_mpi("mpich", hosts, 2, [str(SCRIPT), "raises", str(out)], env, out / "launcher.log", 120,
+                      launcher_args=extra)
+        left = _left_after(hosts, 30.0)
+    assert run.returncode not in (0, None), run.output[-3000:]
+    assert run.seconds < 60, f"the job took {run.seconds:.0f} s to end"
+    assert left == [[], []], f"processes left in the hosts 30 s after the launcher ended: {left}"
+    if cleanup:
+        assert "BAD TERMINATION" in run.output, run.output[-3000:]
+        return
+    # rank 3's host: rank 2 sees its local peer die (or Hydra's proxy ends it too); the other host's
+    # ranks learn it from the watchdog (rank 2's error, or the two ranks' silent heartbeats) and end
+    # with cpuddp's error naming them
+    reports = {r["rank"]: r for r in (json.loads(f.read_text()) for f in out.glob("rank*.json"))}
+    assert "MPI leg" in reports[0]["error"] and "lost rank(s) [" in reports[0]["error"], reports[0]
+    assert "local rank 0 gave up" in reports[1]["error"], reports[1]
+    if 2 in reports:
+        assert "rank(s) [3] (local rank 1" in reports[2]["error"] and "died" in reports[2]["error"], reports[2]
+
+
+def _left_after(hosts, seconds: float) -> list:
+    """The processes left in the hosts' namespaces, once none is left or ``seconds`` passed."""
+    import subprocess
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        left = [subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+                for ns in hosts.namespaces]
+        if not any(left) or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
+
+
+# --------------------------------------------------------------------------- fallbacks
+
+
+MASTER = "10.82.0.1"  # rank 0's host (tests/mpi_netns.py): where MPI cannot tell the ranks
+
+
+def test_an_mpi4py_without_a_library_leaves_the_leg_on_gloo_with_the_reason(tmp_path):
+    run, out = _job("mpich", 2, 2, "leg", tmp_path, MPI4PY_LIBMPI="/nonexistent/libmpi.so.12", MASTER_ADDR=MASTER,
+                    CPUDDP_LOG_LEVEL="INFO")
+    for r in _reports(out, 4, run):
+        assert r.get("ok") and r["leg"] == "gloo", r
+    assert "no MPI leg: mpi4py found no MPI library" in run.output, run.output[-3000:]
+
+
+def test_a_required_mpi_leg_that_cannot_run_is_a_clear_error(tmp_path):
+    run, out = _job("mpich", 2, 1, "leg", tmp_path, timeout=120, MPI4PY_LIBMPI="/nonexistent/libmpi.so.12",
+                    CPUDDP_SHM_INTER="mpi", MPI_LEG_BACKEND="shm", MASTER_ADDR=MASTER)
+    assert run.returncode not in (0, None)
+    reports = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    assert reports and all("CPUDDP_SHM_INTER=mpi" in r.get("error", "") for r in reports), reports
+    assert all("mpi4py found no MPI library" in r["error"] for r in reports), reports
+
+
+def test_an_mpi4py_that_loads_another_mpi_than_the_launchers_leaves_the_leg_on_gloo(tmp_path):
+    other = libmpi("openmpi")
+    run, out = _job("mpich", 2, 2, "leg", tmp_path, timeout=180, MPI4PY_LIBMPI=other, MASTER_ADDR=MASTER)
+    for r in _reports(out, 4, run):
+        assert r.get("ok") and r["leg"].startswith("gloo (not MPI"), r
+        assert "not the launcher's" in r["leg"], r

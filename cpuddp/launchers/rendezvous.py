@@ -32,7 +32,7 @@ from cpuddp.errors import LauncherEnvError, RendezvousError, first_line
 from cpuddp.topology import here
 
 from .env import DistEnv
-from .mpi import start
+from .mpi import start, world_mismatch
 from .parsers import is_loopback
 from .registry import LAUNCHER_NAMES
 from .store_values import job_key_value, shown
@@ -285,13 +285,20 @@ def mpi_master_addr(env: DistEnv) -> str:
         "`mpiexec -genv MASTER_ADDR $(hostname -I | cut -d' ' -f1) ...`; Open MPI: "
         "`mpirun -x MASTER_ADDR=... ...`), or `pip install cpuddp[mpi]` so cpuddp can ask rank 0 over MPI"
     )
+
+    def unset(why: str) -> LauncherEnvError:
+        return LauncherEnvError(f"this is a {env.num_nodes}-node {name} job and MASTER_ADDR is not set{why}",
+                                variable="MASTER_ADDR", value=None, launcher=name, fix=fix)
+
     try:
         MPI = start()  # every rank of an MPI launcher's multi-node job without MASTER_ADDR comes here
-    except (ImportError, RuntimeError):
-        raise LauncherEnvError(
-            f"this is a {env.num_nodes}-node {name} job and MASTER_ADDR is not set",
-            variable="MASTER_ADDR", value=None, launcher=name, fix=fix,
-        ) from None
+    except ImportError:
+        raise unset("") from None
+    except RuntimeError as exc:  # mpi4py found no MPI library
+        raise unset(f" (and mpi4py cannot ask rank 0: {str(exc).splitlines()[0]})") from None
+    other = world_mismatch(MPI, env)
+    if other is not None:  # each rank would take its own address: a job split in worlds of one
+        raise unset(f" (and mpi4py cannot ask rank 0: {other})")
     comm = MPI.COMM_WORLD
     addr = local_address() if comm.Get_rank() == 0 else None
     addr = comm.bcast(addr, root=0)

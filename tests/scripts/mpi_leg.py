@@ -145,9 +145,11 @@ def main() -> None:
             report["digest"] = float_digest(r)
         elif MODE == "train":
             report.update(train(r))
-        elif MODE == "raises":
+        elif MODE == "raises":  # MPI_LEG_KILL=1: the last rank is killed instead
             if r == p - 1:
                 time.sleep(1.0)
+                if os.environ.get("MPI_LEG_KILL"):
+                    os.kill(os.getpid(), 9)
                 raise ValueError("rank's own error, on purpose")
             dist.all_reduce(torch.ones(1000))
         elif MODE == "mismatch":

@@ -17,9 +17,9 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
-__all__ = ["ShmOptions", "leave_all", "abort_all", "track", "INTER_VAR", "LEGS", "user_leg"]
+__all__ = ["ShmOptions", "leave_all", "abort_all", "track", "watch_lost", "lost", "INTER_VAR", "LEGS", "user_leg"]
 
 INTER_VAR = "CPUDDP_SHM_INTER"
 #: The node-to-node legs: gloo and oneCCL (their backend objects form the groups, with
@@ -94,6 +94,24 @@ def track(group: Any, world_leg: Optional[str] = None) -> None:
     _groups.add(group)
     if world_leg is not None:
         _world_leg[:] = [world_leg]
+
+
+#: The lost-rank check a long wait asks (the watchdog's, while it runs): ``check() -> text or None``.
+_lost_check: list = []
+
+
+def watch_lost(check: Optional[Callable[[], Optional[str]]]) -> None:
+    """Register the check a long wait of the node-to-node leg asks every second (None: none)."""
+    _lost_check[:] = [check] if check is not None else []
+
+
+def lost() -> Optional[str]:
+    """The registered check's answer: a rank of the job known lost, in words, or None."""
+    for check in list(_lost_check):
+        said = check()
+        if said:
+            return said
+    return None
 
 
 def leave_all() -> None:

@@ -57,9 +57,13 @@ class ShmBackend(BackendSpec):
 
     def rule_leg(self, env: "DistEnv", lk: Lookups) -> Optional[str]:
         """The node-to-node leg by the rule (None on one node): the same rule as auto's."""
-        ccl = BACKENDS.get(BackendName.CCL)
+        if env.num_nodes <= 1:
+            return None
+        ccl, mpi = BACKENDS.get(BackendName.CCL), BACKENDS.get(BackendName.MPI)
         st = ccl.status(lk) if ccl is not None else None
-        return inter_leg(env.num_nodes, bool(st and st.available), st.reason if st else "")[0]
+        mst = mpi.leg_status(env, lk) if mpi is not None else None
+        return inter_leg(env.num_nodes, bool(st and st.available), st.reason if st else "",
+                         bool(mst and mst.available), mst.reason if mst else "")[0]
 
     def auto_status(self, env: "DistEnv", lk: Lookups, node_cpus: Optional[int],
                     smallest_node: Optional[int]) -> BackendStatus:
@@ -67,7 +71,8 @@ class ShmBackend(BackendSpec):
         ok, reason = check.eligibility(env.local_world_size, lk.environ, node_cpus=node_cpus)
         if ok and smallest_node is not None and smallest_node < 2:
             ok, reason = False, (f"a node of this job runs {smallest_node} rank: auto takes shared memory only where "
-                                 "every node runs 2 or more (backend='shm' runs such a layout, over gloo)")
+                                 "every node runs 2 or more (backend='shm' runs such a layout over its leg: MPI where "
+                                 "it can run, else gloo)")
         return BackendStatus(self.name, ok, reason, module=self.module)
 
     def with_user_settings(self, choice: BackendChoice, environ: Mapping[str, str]) -> BackendChoice:
@@ -99,10 +104,10 @@ class ShmBackend(BackendSpec):
         if any(n.endswith(_SET) for n in said):
             _legs_differ(env.rank, legs, said)
         if env.is_main:
-            log.warning("cpuddp: between nodes gloo, not %s: not every rank has working oneCCL bindings (%s)",
+            log.warning("cpuddp: between nodes gloo, not %s: not every rank can take it (%s)",
                         choice.inter, ", ".join(f"rank {r}: {n}" for r, n in enumerate(legs) if n != choice.inter)[:400])
         return replace(choice, inter=LEGS[0], reason=f"{choice.reason}; between nodes gloo after all: not "
-                       f"every rank has working oneCCL bindings ({', '.join(sorted(set(legs)))})")
+                       f"every rank can take the same leg ({', '.join(sorted(set(legs)))})")
 
     def worker_cores(self, choice: BackendChoice, environ: Mapping[str, str]) -> int:
         leg = choice.leg

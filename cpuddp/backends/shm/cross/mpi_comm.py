@@ -17,7 +17,7 @@ posted nonblocking, waited for with the shm backend's wait policy, each one agre
   sleeps, up to :data:`SLEEP_MAX`, once a wait has lasted :data:`LONG_WAIT` (a peer still
   computing).  The node's ranks keep their CPUs even when there are more ranks than CPUs.  Every
   :data:`CHECK_EVERY` seconds of a wait: has a rank of this process given up (:meth:`abort`), is
-  a rank known lost (the check :func:`set_lost_check` registers: the watchdog's), and the group
+  a rank known lost (:func:`cpuddp.backends.shm.api.lost`: the watchdog's check), and the group
   timeout.
 * **Threads.**  One thread in MPI at a time unless MPI gave ``MPI_THREAD_MULTIPLE``.
 * **Errors.**  MPI's errors return (``MPI.ERRORS_RETURN``) and become a ``DistBackendError``
@@ -39,10 +39,11 @@ import torch.distributed as dist
 
 from cpuddp.launchers import mpi as mpi_world
 
+from .. import api
 from ..protocol.descriptor import Call, CallMismatch, describe
 from ..protocol.wait import YIELD_FOR
 
-__all__ = ["MpiComm", "set_lost_check", "CHECK_EVERY"]
+__all__ = ["MpiComm", "CHECK_EVERY"]
 
 #: Seconds between the checks a long wait makes (abort, a lost rank, the timeout).
 CHECK_EVERY = 1.0
@@ -51,16 +52,7 @@ CHECK_EVERY = 1.0
 SLEEP, LONG_WAIT, SLEEP_MAX = 50e-6, 0.05, 1e-3
 #: Held around each MPI call where MPI did not give THREAD_MULTIPLE.
 _SERIAL = threading.RLock()
-_lost_check: List[Callable[[], Optional[str]]] = []
 _EMPTY = torch.zeros(8, dtype=torch.uint8)  # the address of an empty buffer (MPI takes no null)
-
-
-def set_lost_check(check: Optional[Callable[[], Optional[str]]]) -> None:
-    """Register what a long wait asks every second: None, or the text naming a rank of the job
-    known lost (the watchdog registers its own; None unregisters)."""
-    _lost_check.clear()
-    if check is not None:
-        _lost_check.append(check)
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -155,10 +147,9 @@ class MpiComm:
     def _check(self, call: str, late: bool) -> None:
         if self.aborted is not None:
             raise self.fail(f"{call} stopped: {self.aborted}")
-        for check in _lost_check:
-            lost = check()
-            if lost:
-                raise self.fail(f"{call} cannot finish: {lost}")
+        lost = api.lost()
+        if lost:
+            raise self.fail(f"{call} cannot finish: {lost}")
         if late:
             raise self.fail(f"{call} did not finish within {self.timeout:g} s (the group timeout: a rank of the "
                             f"{self.what} is stuck, gone, or not calling the same collective)")

@@ -245,6 +245,12 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             ctypes.CDLL(None).omp_set_num_threads(1)
 
     @property
+    def paths(self) -> str:
+        """The node's data path and the leg between nodes, in words (the job's header line):
+        ``native data path, avx2; between nodes MPI (MPICH Version: 5.0.2)``."""
+        return "; ".join(filter(None, (self.data_path, f"between nodes {self.leg}" if self.leg else "")))
+
+    @property
     def shm_calls(self) -> int:
         """Collectives agreed through shared memory so far (tests and benchmarks read it)."""
         return self._eng.ch.calls if self._eng is not None else 0
