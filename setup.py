@@ -18,8 +18,12 @@ import os
 import sys
 
 from setuptools import setup
-from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools older than 70.1 (pip install --no-build-isolation in an older venv)
+    from wheel.bdist_wheel import bdist_wheel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NATIVE = os.path.join("cpuddp", "backends", "shm", "native")
