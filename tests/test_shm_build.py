@@ -200,23 +200,43 @@ def test_a_compiler_with_arguments_builds_a_library_that_a_second_build_reuses(t
     assert nb.build(where=str(where), environ=env) == (path, False)  # the sources changed: compiled
 
 
-def test_a_wheel_built_without_a_compiler_is_pure_and_carries_no_library(tmp_path):
-    """``CC=/bin/false``: the wheel is py3-none-any with the build record and no binary inside."""
+def _wheel(tmp_path: Path, cc: str) -> Path:
+    """``pip wheel`` of this checkout with ``CC=cc``, in place (no index, no isolation)."""
     try:
         import setuptools.command.bdist_wheel  # noqa: F401 - setuptools 70.1 or newer
     except ImportError:
         pytest.importorskip("wheel.bdist_wheel", reason="an in-place wheel build needs setuptools>=70.1 or wheel")
-    env = {**os.environ, "CC": "/bin/false", "PIP_NO_INDEX": "1"}
+    env = {**os.environ, "CC": cc, "PIP_NO_INDEX": "1"}
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, env=env, timeout=240)
+                           "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (wheel,) = tmp_path.glob("cpuddp-*.whl")
+    return wheel
+
+
+def test_a_wheel_built_without_a_compiler_is_pure_and_carries_no_library(tmp_path):
+    """``CC=/bin/false``: the wheel is py3-none-any with the build record and no binary inside."""
+    wheel = _wheel(tmp_path, "/bin/false")
     assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         record = z.read("cpuddp/backends/shm/native/libcpuddp_shm.build.json").decode()
     assert not any(n.endswith(".so") for n in names)
     assert '"reason": "failed"' in record
+
+
+@pytest.mark.slow
+def test_a_wheel_with_its_library_is_tagged_for_what_the_library_needs(tmp_path):
+    """The system compiler's wheel: py3-none-<the tag its library's ELF gives>, never any."""
+    if nb.compiler() is None:
+        pytest.skip("no C compiler")
+    wheel = _wheel(tmp_path, nb.compiler()[0])
+    with zipfile.ZipFile(wheel) as z:
+        needs = elf.read(z.read("cpuddp/backends/shm/native/libcpuddp_shm.so"))
+        meta = z.read("cpuddp-" + wheel.name.split("-")[1] + ".dist-info/WHEEL").decode()
+    tag = elf.platform_tag(needs)
+    assert wheel.name.endswith(f"-py3-none-{tag}.whl") and tag.startswith("manylinux_"), (wheel.name, needs)
+    assert "Root-Is-Purelib: false" in meta and f"Tag: py3-none-{tag.split('.')[0]}" in meta, meta
 
 
 # --------------------------------------------------------------------------- the vector code compiled
