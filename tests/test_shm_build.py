@@ -206,9 +206,15 @@ def _wheel(tmp_path: Path, cc: str) -> Path:
         import setuptools.command.bdist_wheel  # noqa: F401 - setuptools 70.1 or newer
     except ImportError:
         pytest.importorskip("wheel.bdist_wheel", reason="an in-place wheel build needs setuptools>=70.1 or wheel")
+    src = tmp_path / "src"  # a copy: in-place builds of two tests at once would share build/
+    src.mkdir()
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "cpuddp", src / "cpuddp", ignore=shutil.ignore_patterns(
+        "__pycache__", nb.LIB_NAME, os.path.basename(nb.record_path(nb.LIB_NAME)), ".libcpuddp_shm-*"))
     env = {**os.environ, "CC": cc, "PIP_NO_INDEX": "1"}
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                           "-w", str(tmp_path), str(REPO)], capture_output=True, text=True, env=env, timeout=600)
+                           "-w", str(tmp_path), str(src)], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     (wheel,) = tmp_path.glob("cpuddp-*.whl")
     return wheel
