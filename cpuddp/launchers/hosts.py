@@ -33,6 +33,7 @@ from cpuddp.topology.here import allowed_cpus, host_identity, hostname_of, pid_n
 
 from . import store_values
 from .env import DistEnv, Provenance, Source
+from .exports import NOTICE_AFTER
 
 log = logging.getLogger("cpuddp")
 
@@ -277,10 +278,6 @@ def sharing(store: Any, rank: int, world_size: int, timeout: datetime.timedelta)
         return exchange(store, name, rank, world_size, value, timeout, what=what)
 
     return share
-
-
-#: seconds a rank waits for the others in an exchange before it says whom it waits for (once)
-NOTICE_AFTER = 5.0
 
 
 def _wait_all(store: Any, keys: Sequence[str], timeout: datetime.timedelta, rank: int, what: str) -> None:

@@ -192,5 +192,5 @@ def probe(lookups: object) -> Tuple[bool, str]:
     environ = getattr(lookups, "environ", None) or os.environ
     ok, reason = eligibility(2, {k: v for k, v in environ.items() if k != OPT_OUT_VAR})
     if ok:
-        return True, "x86 CPU and memory for the segment (pure Python over torch ops; cpuddp.shm)"
+        return True, "x86 CPU and memory for the segment"
     return False, reason
