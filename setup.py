@@ -1,10 +1,16 @@
 """cpuddp's build: pyproject.toml says everything but one step -- the shm engine's native library.
 
 ``pip install .`` and ``pip install -e .`` compile ``cpuddp/backends/shm/native/engine.c`` with
-the system C compiler into a plain shared library beside it (no Python tag: one build serves
-every Python and torch).  The step is optional: without a compiler, or when the compile fails,
-the install goes on and the Python engine runs (``cpuddp doctor`` says which data path a node
-takes, and why).
+the C compiler (``$CC``, which may hold arguments, else ``cc``) into a plain shared library
+beside it (no Python tag: one build serves every Python and torch), and write its build record
+beside it.  The step is optional: without a compiler, or when the compile fails, the install
+goes on, the Python engine runs and ``cpuddp doctor`` says why (from the record).  An editable
+install whose sources, compiler and flags did not change keeps the library it has.
+
+A wheel is tagged for what it carries: ``py3-none-<platform>``, the platform read from the
+library built (its machine and the newest glibc it needs: ``native/elf.py``), so one wheel per
+platform serves every Python 3 and torch; ``py3-none-any`` when no library was built.  ``CC``
+picks the target: docs/install.md builds the manylinux 2.17 wheels with zig's C compiler.
 """
 
 import importlib.util
@@ -14,13 +20,18 @@ import sys
 from setuptools import setup
 from setuptools.command.build_py import build_py
 
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:  # setuptools older than 70.1 (pip install --no-build-isolation in an older venv)
+    from wheel.bdist_wheel import bdist_wheel
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 NATIVE = os.path.join("cpuddp", "backends", "shm", "native")
 
 
-def _builder():
-    """cpuddp/backends/shm/native/build.py, loaded by path (the package is not importable here)."""
-    spec = importlib.util.spec_from_file_location("_cpuddp_native_build", os.path.join(HERE, NATIVE, "build.py"))
+def _native(name):
+    """cpuddp/backends/shm/native/NAME.py, loaded by path (the package is not importable here)."""
+    spec = importlib.util.spec_from_file_location(f"_cpuddp_native_{name}", os.path.join(HERE, NATIVE, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -31,16 +42,48 @@ class BuildPyWithNative(build_py):
 
     def run(self):
         super().run()
-        builder = _builder()
+        builder = _native("build")
         target = os.path.join(HERE if self.editable_mode else self.build_lib, NATIVE)
+        self.distribution.cpuddp_native_library = None
         try:
             os.makedirs(target, exist_ok=True)
-            path = builder.build(os.path.join(target, builder.LIB_NAME), where=os.path.join(HERE, NATIVE))
-        except (RuntimeError, OSError) as exc:
+            path, reused = builder.build(os.path.join(target, builder.LIB_NAME), where=os.path.join(HERE, NATIVE))
+        except (builder.BuildError, OSError) as exc:
             print(f"cpuddp: the shm engine's native library was not built ({exc}); the Python engine will run",
                   file=sys.stderr)
         else:
-            print(f"cpuddp: built the shm engine's native library: {path}")
+            self.distribution.cpuddp_native_library = path
+            print(f"cpuddp: {'kept the current' if reused else 'built the'} shm engine's native library: {path}")
 
 
-setup(cmdclass={"build_py": BuildPyWithNative})
+class WheelForItsLibrary(bdist_wheel):
+    """A wheel tagged for the library it carries (py3-none-<platform>), or py3-none-any without one."""
+
+    def run(self):
+        if not self.skip_build:
+            self.run_command("build")
+        elif not hasattr(self.distribution, "cpuddp_native_library"):  # built by an earlier command
+            built = os.path.join(self.get_finalized_command("build_py").build_lib, NATIVE, _native("build").LIB_NAME)
+            self.distribution.cpuddp_native_library = built if os.path.exists(built) else None
+        self.root_is_pure = self._library() is None
+        if not self.root_is_pure:  # install's root goes to platlib, the wheel's root (Root-Is-Purelib: false)
+            self.distribution.has_ext_modules = lambda: True
+        super().run()
+
+    def get_tag(self):
+        library = self._library()
+        if library is None:
+            return "py3", "none", "any"
+        elf = _native("elf")
+        return "py3", "none", elf.platform_tag(elf.read_file(library))
+
+    def _library(self):
+        """The library the build put in the build tree (an editable install's is beside the sources)."""
+        path = getattr(self.distribution, "cpuddp_native_library", None)
+        lib_dir = os.path.abspath(self.get_finalized_command("build_py").build_lib)
+        if path is None or not os.path.abspath(path).startswith(lib_dir + os.sep):
+            return None
+        return path
+
+
+setup(cmdclass={"build_py": BuildPyWithNative, "bdist_wheel": WheelForItsLibrary})

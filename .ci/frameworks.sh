@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The frameworks job (issue 20): docs/frameworks.md's recipes -- plain torch, Hugging Face
+# The frameworks job: docs/frameworks.md's recipes -- plain torch, Hugging Face
 # Trainer, accelerate, Lightning Trainer, Fabric -- on 2 ranks under torchrun and MPICH's
 # mpiexec, and Lightning/Fabric as plain `python` (Lightning starts its ranks); each asserts
 # backend shm, every rank on its own cores, the model DDP-wrapped, identical weights, falling
@@ -7,9 +7,9 @@
 # and FSDP under the frameworks (tests/test_shard_frameworks.py: Lightning's FSDP2 recipe).
 #   bash .ci/frameworks.sh install   # venv "$CI_WORK/frameworks": torch==2.13.0, then -e ".[test,frameworks]"
 #   bash .ci/frameworks.sh test      # needs CPUDDP_MPICH_MPIEXEC (source .ci/launchers.sh exports)
-# Measured on the project's 2-vCPU machine (AMD EPYC Zen 4): test 117 s (30 tests, 2026-11-26).
-# The install (in the background, beside the other installs) took 58 s from this machine's
-# wheel cache; not yet timed on a clean CI machine.
+# How long, on a 2-vCPU AMD EPYC (Zen 4): the test about 2 minutes (30 tests); the install, in the
+# background beside the others, about 1 minute from a warm wheel cache (longer without).  Each
+# step prints its duration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${CI_WORK:?CI_WORK must be set (by .ci/run)}"

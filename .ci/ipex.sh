@@ -2,11 +2,11 @@
 # The other end of the supported torch range: torch 2.8.0 with intel-extension-for-pytorch 2.8.0
 # (IPEX's last release, which imports only beside torch 2.8.*), in a venv of its own.
 #   bash .ci/ipex.sh install   # fresh venv "$CI_WORK/ipex": torch 2.8.0, IPEX 2.8.0, cpuddp[test,bench,mpi]
-#   bash .ci/ipex.sh test      # the whole suite in it; the IPEX tests must run, not skip
+#   bash .ci/ipex.sh test      # the version-sensitive tests in it; the IPEX tests must run, not skip
 # PyPI's torch 2.8.0 is the CUDA build: with its nvidia-* dependencies the download is 3.8 GB and
-# the venv 6.9 GB; the step took 383-478 s on the project's 2-vCPU machine (2026-11; it prints
-# its own "install took" line).  Nothing is cached between CI runs; .ci/run starts this step in
-# the background beside the others.  The whole suite in this venv took 862 s (2026-11-23, 2-vCPU AVX2 EPYC).
+# the venv 6.9 GB; the install takes 6-8 minutes on a 2-vCPU AMD EPYC (Zen 3, AVX2) and prints its
+# own "install took" line.  Nothing is cached between CI runs; .ci/run starts this step in the
+# background beside the others.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${CI_WORK:?CI_WORK must be set (by .ci/run)}"

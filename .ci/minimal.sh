@@ -8,9 +8,8 @@
 # `cpuddp bench allreduce --nproc 2`
 # (no plot), `cpuddp doctor`, `cpuddp.testing.run_distributed`.  A command that fails, or any
 # output naming ImportError/ModuleNotFoundError (even one a command caught), fails the job.
-# Measured on the project's 2-vCPU machine (AMD EPYC): install 109 s (in the background, beside
-# the other installs), test 68 s (README's command 46 s of it) before the two shard runs, which add
-# 16 s and 11 s (2026-11-26, the machine shared with other jobs); each step prints its duration.
+# How long, on a 2-vCPU AMD EPYC (AVX2): the install about 2 minutes (in the background, beside
+# the other installs), the test about 1.5 minutes; each step prints its duration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${CI_WORK:?CI_WORK must be set (by .ci/run)}"

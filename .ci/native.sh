@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The shm engine's two data paths and its sanitizer builds (issue 44), in the venv of phase 2
+# The shm engine's two data paths and its sanitizer builds, in the venv of phase 2
 # (README's editable install, which built cpuddp/backends/shm/native/libcpuddp_shm.so):
 #   bash .ci/native.sh test
 # 1. the engine's tests on the Python path (CPUDDP_SHM_NATIVE=0): README's suite ran them on the

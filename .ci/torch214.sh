@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The newest torch this workplace's index serves, torch 2.14.1, beside the suite's 2.13 (.ci/run
+# The newest torch CI's package index serves, torch 2.14.1, beside the suite's 2.13 (.ci/run
 # phase 2) and 2.8 + IPEX (.ci/ipex.sh): what differs between torch releases, in a venv of its own.
 #   bash .ci/torch214.sh install   # fresh venv "$CI_WORK/torch214": torch==2.14.1, then -e ".[test,bench]"
 #   bash .ci/torch214.sh test      # the version-sensitive tests (below); needs .ci/launchers.sh exports
@@ -9,9 +9,9 @@
 # between torch releases, and runs on 2.13.  The frameworks' adoption stays on 2.13
 # (.ci/frameworks.sh): their pins (transformers, accelerate, lightning) are tested there.
 # PyPI's torch 2.14.1 is the CUDA build (nvidia-* wheels, cuda-toolkit): the venv is 5.6 GB.
-# Measured on the project's 2-vCPU machine (AMD EPYC, AVX2 only), 2026-11-26, other work running
-# beside it: install 117 s for torch from this machine's wheel store + 106 s for the extras
-# (each step prints its duration); test: see .ci/run's header.
+# How long, on a 2-vCPU AMD EPYC (Zen 3, AVX2) with other work beside it: the install about 4
+# minutes (torch from a warm wheel store, then the extras); the test: .ci/run's header.  Each step
+# prints its duration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${CI_WORK:?CI_WORK must be set (by .ci/run)}"

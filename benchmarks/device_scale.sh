@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The one many-core run for issues 36 and 44: how the shm backend scales on a node of 16 cores,
-# and what the native data path does there (not run by CI).  Run from the repository root on a
-# lent machine (python3 with torch 2.11, nothing installed), with the native library built on the
-# project's machine and carried (cpuddp/backends/shm/native/libcpuddp_shm.so: plain C, no Python
-# tag; without it the Python path runs, and line 0 says so):
+# A many-core run: how the shm backend scales on a node of 16 cores, and what the native data path
+# does there (not run by CI).  Run from the repository root on a machine with python3 and torch
+# (e.g. 2.11) and nothing else installed, with the native library built elsewhere and copied
+# along (cpuddp/backends/shm/native/libcpuddp_shm.so: plain C, no Python tag; without it the
+# Python path runs, and line 0 says so):
 #     bash benchmarks/device_scale.sh         (results under $OUT; under 5 minutes wall in total)
 # OUT defaults to a fresh private directory (mktemp -d, mode 0700), named at the start and the end;
 # OUT=dir picks another: it must be a real directory (not a symlink) of yours, or one this script

@@ -10,7 +10,7 @@ on a spin flag -- the data movement of a 2-rank shm round without the engine.  E
 the block's median microseconds per hand-off are printed, one number per block, then the
 spread.  On a machine whose cores stay put, the blocks agree; where a hypervisor moves virtual
 CPUs between cores that share a cache and cores that do not, they fall in two modes, and so will
-any shared-memory collective (docs/benchmarks.md: the 2-vCPU EPYC VM's 4-5x "slow mode").
+any shared-memory collective (docs/benchmarks.md: the 4-5x "slow mode" of 2-vCPU AMD EPYC VMs).
 """
 
 from __future__ import annotations

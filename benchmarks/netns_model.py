@@ -1,4 +1,4 @@
-"""DDP scaling to N nodes, on paper: an alpha-beta model with the constants measured here.
+"""DDP scaling to N nodes, on paper: an alpha-beta model with constants measured on one machine.
 
     python benchmarks/netns_model.py            # table on stdout, plot to benchmarks/results/netns_model.png
 
@@ -21,6 +21,7 @@ step = T_COMPUTE (+ T_CAST with a hook) + max(0, comm + T_DDP - h T_BWD); sample
 ``T_DDP`` is what DDP's reducer adds beyond the allreduces on this machine (bucket copies, waiting
 for the slower rank); the comparison with the measured 2-host runs scales compute by the ranks
 per core there (2 hosts x 2 ranks share 2 vCPUs).
+The constants were measured on a 2-vCPU AMD EPYC (AVX2, no AVX-512), torch 2.13 (:data:`MEASURED_ON`).
 Where it stops being trustworthy is in docs/multinode.md (and printed below).
 """
 
@@ -35,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _plot import pyplot  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+#: Where the constants below were measured (the plot's title says so).
+MEASURED_ON = "2-vCPU AMD EPYC (AVX2, no AVX-512), torch 2.13"
 
 # ---- constants (seconds, bytes); each from a measurement named in docs/multinode.md
 S = 10_507_786 * 4          # gradient bytes of the MLP (fp32)
@@ -143,6 +146,8 @@ def plot(out: Path, l: int = 2) -> None:
         ax.set_ylim(0, 1.05)
         ax.grid(True, alpha=0.3)
     axes[0].set_ylabel("scaling efficiency (model)")
+    fig.suptitle(f"DDP scaling efficiency by node count, modelled (not measured); constants from a {MEASURED_ON}",
+                 fontsize=10)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)

@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import cpu_model  # noqa: E402
 from _plot import pyplot  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,14 +163,16 @@ def run_setup(setup: str, args: argparse.Namespace, ncpu: int) -> dict:
         return json.loads(result.read_text())
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+def plot_title(meta: dict, cpu: str | None = None) -> str:
+    """What pinning.png shows: the workload, the layout, the CPU and torch (``cpu`` stands in for a
+    result whose meta names the CPU without its generation)."""
+    params = meta["model"].rsplit(", ", 1)[-1].split()[0]
+    model = meta["model"]
+    if params.isdigit():
+        model = f"{model.split(':')[0]} ({int(params) / 1e6:.1f} M parameters)"
+    return (f"DDP over gloo by pinning setup, {meta['world']} ranks x batch {meta['batch_per_rank']}, "
+            f"medians of {meta['repeats']} interleaved runs\n{model}\n{cpu or meta['cpu_model']}, "
+            f"{meta['cpus']} CPUs, torch {meta['torch'].split('+')[0]}")
 
 
 def plot(medians: dict[str, float], samples: dict[str, list[float]], path: Path, title: str) -> None:
@@ -209,9 +212,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--setup", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
+    ap.add_argument("--replot", action="store_true", help="redraw pinning.png from --out's pinning.json; runs nothing")
+    ap.add_argument("--cpu", help="with --replot: the CPU for the title, where the result names it without generation")
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
+        return 0
+    if args.replot:
+        doc = json.loads((Path(args.out) / "pinning.json").read_text())
+        plot(doc["median"], doc["samples"], Path(args.out) / "pinning.png", plot_title(doc["meta"], args.cpu))
         return 0
 
     import torch
@@ -247,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": " ".join(["python", "benchmarks/pinning.py", *(argv if argv is not None else sys.argv[1:])]),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cpus": ncpu,
         "world": args.world,
         "batch_per_rank": args.batch,
@@ -273,8 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "pinning.json").write_text(json.dumps({"meta": meta, "median": medians, "samples": samples, "runs": runs}, indent=1))
     if medians:
-        plot(medians, samples, out / "pinning.png",
-             f"DDP {args.world} ranks, {ncpu} CPUs, torch {meta['torch']}: medians of {args.repeats} runs")
+        plot(medians, samples, out / "pinning.png", plot_title(meta))
     print(f"# wrote {out / 'pinning.json'} and {out / 'pinning.png'}")
     return 1 if failed else 0
 

@@ -2,13 +2,17 @@
 
     python benchmarks/train_throughput.py                  # the full measurement (see --help)
     python benchmarks/train_throughput.py --quick          # 3 steps, 1 repeat: does the script work?
+    python benchmarks/train_throughput.py --replot benchmarks/results/train_throughput.json
+                                                           # redraw a result's PNG; runs nothing
 
-Every case trains the same model (``examples/finetune.py``'s tiny
-BertForSequenceClassification, random weights, seq 128) on the same synthetic paraphrase
-data, with the same global batch, steps, learning-rate schedule, optimizer family
-(AdamW, fused) and gradient clipping:
+Every case trains the same model -- the BERT-style cross-encoder of ``examples/finetune.py
+--size bench --model hf`` (transformers' BertForSequenceClassification from a tiny config:
+hidden 256, 4 layers, 11.2 M parameters, random weights, seq 128), not README's small demo
+model -- on the same synthetic paraphrase data, with the same global batch, steps,
+learning-rate schedule, optimizer family (AdamW, fused) and gradient clipping:
 
-* ``cpuddp``  -- ``examples/finetune.py`` (init_distributed, prepare, shard, a plain loop);
+* ``cpuddp``  -- ``examples/finetune.py --size bench --model hf`` (init_distributed, prepare,
+  shard, a plain loop);
 * ``trainer`` -- ``transformers.Trainer`` with ``use_cpu=True``, ``ddp_backend="gloo"`` (on 2 ranks),
   ``bf16=`` the precision, its other settings left at their defaults (so its DDP runs with
   ``find_unused_parameters=True``, as Trainer users get it).
@@ -20,8 +24,9 @@ uses every allowed core as threads, two ranks one thread each (torchrun's defaul
 samples/s counts every rank's samples over the steps after ``--warmup`` (barrier to
 barrier).  Cases run interleaved (case 1..8, then again) ``--repeats`` times; the summary
 is the median with min and max.  Output: ``benchmarks/results/train_throughput.json``
-(meta with date and host, every run, summary, ratios, targets), ``.png`` and ``.md`` beside
-it, and the Markdown table on stdout (for docs/performance.md).  ``#`` lines are progress.  Exit code 0 when every run
+(meta with date, host and CPU, every run, summary, ratios, targets), ``.png`` (titled with the
+model, the CPU, torch and the backend of the 2-rank runs) and ``.md`` beside it, and the
+Markdown table on stdout (for docs/performance.md).  ``#`` lines are progress.  Exit code 0 when every run
 succeeded (targets missed are reported, not failed); 1 when a run failed.
 """
 
@@ -44,6 +49,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import cpu_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "finetune.py"
@@ -256,7 +264,7 @@ def meta(opts: argparse.Namespace) -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "usable_cores": usable_cores(),
-        "cpu": _cpu_name(),
+        "cpu": cpu_model(),
         "amx": bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()),
         "avx512_bf16": bool(getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()),
         "args": {k: v for k, v in vars(opts).items() if k not in ("worker",)},
@@ -269,15 +277,21 @@ def meta(opts: argparse.Namespace) -> dict[str, Any]:
     return info
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
+def plot_title(doc: dict[str, Any], cpu: Optional[str] = None, backend: Optional[str] = None) -> str:
+    """What the PNG shows: the model and batch, the CPU, torch and the 2-rank runs' DDP backend.
+
+    ``cpu`` and ``backend`` stand in for what an older result does not record (its meta's CPU
+    without generation or ISA; the example's backend)."""
+    m = doc["meta"]
+    backends = sorted({r["result"]["backend"] for r in doc["runs"]
+                       if r["runner"] == "cpuddp" and r["ranks"] > 1 and r.get("result", {}).get("backend")})
+    ddp = backend or (", ".join(backends) if backends else "not recorded")
+    cores = m["usable_cores"]
+    return (f"BERT-style cross-encoder (11.2 M parameters, seq {m['args']['seq_len']}, global batch "
+            f"{m['args']['global_batch']}): cpuddp's loop vs Hugging Face Trainer\n"
+            f"{cpu or m['cpu']}, torch {m['torch'].split('+')[0]}\n"
+            f"1 rank x {cores} thread(s), 2 ranks x {max(1, cores // 2)}; "
+            f"2-rank DDP: cpuddp's on {ddp}, Trainer's on gloo; {m['date'][:10]}")
 
 
 def markdown(summary: dict[str, Any], rat: dict[str, Any], m: dict[str, Any], runs: Sequence[dict[str, Any]] = ()) -> str:
@@ -358,6 +372,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=900, help="seconds per run")
     ap.add_argument("--out", help="directory for JSON and PNG (default benchmarks/results; a temp dir with --quick)")
     ap.add_argument("--quick", action="store_true", help="3 steps, 1 warm-up, 1 repeat: a smoke test of this script")
+    ap.add_argument("--replot", type=Path, metavar="JSON", help="redraw this result's PNG beside it (runs nothing)")
+    ap.add_argument("--cpu", help="with --replot: the CPU for the title, where the result names it without generation")
+    ap.add_argument("--backend", help="with --replot: cpuddp's DDP backend, where the result does not record it")
     # internal: one rank of the Trainer case
     ap.add_argument("--worker", choices=["trainer"], help=argparse.SUPPRESS)
     ap.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
@@ -375,6 +392,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     opts = parse_args(argv)
     if opts.worker == "trainer":
         return trainer_worker(opts)
+    if opts.replot:
+        doc = json.loads(opts.replot.read_text(encoding="utf-8"))
+        out = plot(doc["summary"], opts.replot.with_suffix(".png"), plot_title(doc, opts.cpu, opts.backend))
+        log(f"wrote {out}" if out else "no plot")
+        return 0 if out else 1
 
     runners = [r for r in opts.runners.split(",") if r]
     precisions = [p for p in opts.precisions.split(",") if p]
@@ -408,7 +430,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     base = out_dir / ("train_throughput-quick" if opts.quick else "train_throughput")
     doc = {"meta": m, "summary": summary, "ratios": rat, "runs": runs}
     base.with_suffix(".json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
-    plot(summary, base.with_suffix(".png"), f"{m['cpu']}, torch {m['torch']}: examples/finetune.py vs HF Trainer")
+    plot(summary, base.with_suffix(".png"), plot_title(doc))
     table = markdown(summary, rat, m, runs)
     base.with_suffix(".md").write_text(table + "\n", encoding="utf-8")
     print(table)

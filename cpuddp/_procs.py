@@ -63,7 +63,7 @@ STACK_WAIT = 2.0
 
 #: A ``PYTHONWARNINGS`` entry: torch's own warning at import where numpy is not installed
 #: ("Failed to initialize NumPy: No module named 'numpy'"; cpuddp needs no numpy), said once by
-#: the process that starts the ranks, left out in each process it starts (issue 46).
+#: the process that starts the ranks, left out in each process it starts.
 NUMPY_WARNING = "Failed to initialize NumPy"
 NUMPY_WARNING_FILTER = f"ignore:{NUMPY_WARNING}:UserWarning"
 

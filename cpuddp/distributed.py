@@ -25,7 +25,7 @@ The order, and why:
    then the agreement through the store, last (a rank keeps its own choice; ranks that disagree
    stop with an error naming them, before anything is carried out, so they never form
    mismatched groups): a frozen :class:`~cpuddp.backends.decide.BackendPlan`, which the steps
-   below execute.
+   below carry out.
 5. **Export, load and pin**: the rank's and the backend's variables, the backend's module, then
    the compute threads -- this thread and every thread that existed before init, OpenMP's
    pool among them -- go to the rank's own cores.  The ranks then say "ready" through the store.
@@ -34,6 +34,8 @@ The order, and why:
    threads (gloo's, oneCCL's, the store's) start there and are never re-pinned (oneCCL pins its workers itself, from
    ``CCL_WORKER_AFFINITY``), then run one small collective to prove the group works.
 
+Steps 4-6 are the backend's, one call (:func:`cpuddp.backends.start.start_backend`) handed the
+job and this init's own steps (exports and pinning into the undo log, "ready", the watchdog).
 A rank that fails in steps 3-5 publishes its error in the store, and the others raise at
 once naming it.  A failed init undoes what it did (exports, pinning, store, group).
 
@@ -75,9 +77,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Optional
 
-from cpuddp.backends import forming
-from cpuddp.backends.decide import decide_backend
+from cpuddp.affinity import pin as affinity
 from cpuddp.backends.registry import accepts
+from cpuddp.backends.start import InitJob, start_backend
 from cpuddp.backends.types import BackendChoice, BackendName
 from cpuddp.launchers import hosts, identity, proof, report
 from cpuddp.launchers.env import DistEnv, Provenance
@@ -155,7 +157,7 @@ class _Process:
 
     lock: "threading.RLock" = field(default_factory=threading.RLock)
     current: Optional[Session] = None
-    undo: Optional[_Undo] = None  # what the current session's init put in place
+    undo: Optional[_Undo] = None  # what the init of ``current`` put in place
     generation: int = 0  # how many inits this process began (the store keys of each are its own)
     #: Set when torch's teardown of our group did not return: that group cannot be reused.
     abandoned: Optional[str] = None
@@ -222,7 +224,9 @@ def init_distributed(
             env = env.replace(master_addr=mpi_master_addr(env))
         undo = _state.next_undo()
         try:
-            current = _join(env, backend, td, pin, environ, undo)
+            job = _join(env, td, pin, environ, undo)  # steps 2-3: meet, gather and prove
+            plan = start_backend(backend, job)  # steps 4-6, the backend's: decide, export, load, pin, form, prove
+            current = Session(job.env, plan.choice, pin_plan=plan.pin_plan)
         except BaseException:
             _undo(undo)
             raise
@@ -253,11 +257,11 @@ def _log_ready(current: Session) -> None:
 
 
 def _data_path() -> str:
-    """``" (native data path, avx512)"``: which data path the shm group's node runs, and why; or ""."""
+    """``" (native data path, avx512; between nodes MPI (...))"``: the shm group's paths, or ""."""
     import torch.distributed as dist
 
     try:
-        path = getattr(dist.distributed_c10d._get_default_group(), "data_path", "")
+        path = getattr(dist.distributed_c10d._get_default_group(), "paths", "")
     except (RuntimeError, ValueError, AttributeError):
         return ""
     return f" ({path})" if path else ""
@@ -305,44 +309,73 @@ def _adopt(env: DistEnv, backend: str) -> Session:
     return _state.current
 
 
-def _join(env: DistEnv, backend: str, td: datetime.timedelta, pin: bool,
-          environ: MutableMapping[str, str], undo: _Undo) -> Session:
-    """Steps 2-6 of the module docstring: meet, gather, decide, export, load and pin, form, check."""
-    from cpuddp.affinity import pin as affinity
-    from cpuddp.backends.registry import load_backend
-
+def _join(env: DistEnv, td: datetime.timedelta, pin: bool, environ: MutableMapping[str, str],
+          undo: _Undo) -> InitJob:
+    """Steps 2-3 of the module docstring: meet, gather and prove.  Returns the job as the backend's
+    start takes it, with this init's own steps (:class:`_Steps`) as its hands."""
     before = affinity.thread_ids()  # the compute threads (this one, OpenMP's) and the user's
     wide = here.allowed_cpus() or None  # where communication threads may run
     store = _meet(env, td, environ, undo)
-    step = f"cpuddp/init{undo.generation}"
-    try:
-        env, lay = _gather_layout(env, store, step, td)
-        plan = decide_backend(backend, env, lay, store, f"{step}/backend", td, environ, pin=pin)
+    steps = _Steps(env, store, f"cpuddp/init{undo.generation}", td, environ, undo, before, wide)
+    with steps.published():
+        steps.env, lay = _gather_layout(env, store, steps.step, td)
+    return InitJob(steps.env, lay, store, hosts.sharing(store, env.rank, env.world_size, td), f"{steps.step}/backend",
+                   td, environ, pin, export=steps.export, pin_compute=steps.pin_compute,
+                   until_ready=steps.until_ready, forming=steps.forming)
+
+
+@dataclass
+class _Steps:
+    """This init's own steps inside the backend's start (its :class:`InitJob`'s hands), logged in ``undo``."""
+
+    env: DistEnv
+    store: Optional["Store"]
+    step: str  # this init's exchanges: <step>/host, /proof, /backend, /ready
+    td: datetime.timedelta
+    environ: MutableMapping[str, str]
+    undo: _Undo
+    before: Any  # the compute threads: those that existed before init
+    wide: Any  # every CPU the process was given: where communication threads may run
+
+    @contextlib.contextmanager
+    def published(self) -> Iterator[None]:
+        """A failure inside is published under every exchange of this init: the others raise at once naming it."""
+        try:
+            yield
+        except BaseException as exc:
+            if self.store is not None:
+                for name in ("host", "proof", "backend", "ready"):
+                    hosts.publish_error(self.store, f"{self.step}/{name}", self.env.rank, exc)
+            raise
+
+    def export(self, settings: Mapping[str, str]) -> None:
         # A plain `python` run (no launcher, world of 1) exports no rank variables: a framework reads
         # LOCAL_RANK as "an outside launcher started me" (Lightning) and would not start its own ranks.
-        if env.launcher != "none":
-            undo.exports.export(environ, env.exported(), reason="describes this process to torch and child processes",
-                                strict=True)
-        undo.exports.export(os.environ, plan.env, reason="backend setting")  # before the backend loads them
-        load_backend(plan.choice)
-        if plan.pin_plan is not None:  # the compute threads: those that existed before init
-            undo.pin_state = affinity.apply_plan(plan.pin_plan, os.environ, threads=before)
-        if store is not None:
-            hosts.exchange(store, f"{step}/ready", env.rank, env.world_size, "ok", td, what="ready")
-    except BaseException as exc:
-        if store is not None:
-            for name in ("host", "proof", "backend", "ready"):
-                hosts.publish_error(store, f"{step}/{name}", env.rank, exc)
-        raise
-    with affinity.thread_affinity(wide):
-        # the ranks on this node as proved at init: a shm group refuses a store that later hides one
-        forming.form_group(env, plan, store, td)
-        forming.first_collective(env, plan.choice)
-        if store is not None:
-            from cpuddp.watchdog import monitor as watchdog
+        if self.env.launcher != "none":
+            self.undo.exports.export(self.environ, self.env.exported(), strict=True,
+                                     reason="describes this process to torch and child processes")
+        self.undo.exports.export(os.environ, settings, reason="backend setting")
 
-            watchdog.start(env, undo.keep)
-    return Session(env, plan.choice, pin_plan=plan.pin_plan)
+    def pin_compute(self, plan: "PinPlan") -> None:
+        self.undo.pin_state = affinity.apply_plan(plan, os.environ, threads=self.before)
+
+    @contextlib.contextmanager
+    def until_ready(self) -> Iterator[None]:
+        with self.published():
+            yield
+            if self.store is not None:
+                hosts.exchange(self.store, f"{self.step}/ready", self.env.rank, self.env.world_size, "ok", self.td,
+                               what="ready")
+
+    @contextlib.contextmanager
+    def forming(self) -> Iterator[None]:
+        """Step 6: this thread on every CPU the process was given while the group forms; then the watchdog."""
+        with affinity.thread_affinity(self.wide):
+            yield
+            if self.store is not None:
+                from cpuddp.watchdog import monitor as watchdog
+
+                watchdog.start(self.env, self.undo.keep)
 
 
 def _meet(env: DistEnv, td: datetime.timedelta, environ: Mapping[str, str], undo: _Undo) -> Optional["Store"]:
@@ -437,8 +470,6 @@ def _destroy_group(timeout: float) -> None:
 
 def _undo(undo: _Undo) -> None:
     """Undo what one init did: the group (bounded), pinning, exports, the store."""
-    from cpuddp.affinity import pin as affinity
-
     _destroy_group(SHUTDOWN_TIMEOUT)
     if undo.pin_state is not None:
         with contextlib.suppress(Exception):

@@ -15,7 +15,8 @@ A half-set launcher environment raises :class:`~cpuddp.errors.LauncherEnvError`,
 
 :func:`print0` and :func:`log0` are ``print`` and ``logging`` on global rank 0 only (what
 accelerate's ``accelerator.print`` and Lightning's ``rank_zero_info`` do), so a line is
-written once per job, not once per rank -- before init too.
+written once per job, not once per rank -- before init too.  :func:`log_here` is
+:func:`log0`'s line on whichever rank its caller chose (a group's rank 0).
 
 This module never imports torch: without ``torch.distributed`` in ``sys.modules`` there can be
 no process group, so the answer comes from the environment.
@@ -36,6 +37,7 @@ __all__ = [
     "get_node_rank",
     "print0",
     "log0",
+    "log_here",
     "group_rank_world",
     "require_group",
 ]
@@ -153,6 +155,17 @@ def log0(msg: object, *args: Any, level: Union[int, str] = logging.INFO, logger:
     lvl = _level(level)
     if get_rank() != 0:
         return
+    kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1
+    log_here(msg, *args, level=lvl, logger=logger, **kwargs)
+
+
+def log_here(msg: object, *args: Any, level: Union[int, str] = logging.INFO, logger: Logger = None,
+             **kwargs: Any) -> None:
+    """:func:`log0`'s line on this rank, whatever its global rank: for a caller that has chosen
+    the one rank that speaks itself (rank 0 of the group it was given).  The same rule: the
+    record names the caller's line, and where logging is not configured a message at INFO or
+    above is printed to stderr."""
+    lvl = _level(level)
     target = logging.getLogger(logger) if logger is None or isinstance(logger, str) else logger
     if lvl >= logging.INFO and not target.hasHandlers():
         print(str(msg) % args if args else str(msg), file=sys.stderr, flush=True)

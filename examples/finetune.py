@@ -282,8 +282,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     env = cpuddp.init_distributed(pin=not args.no_pin)
     backend = cpuddp.get_session().backend
-    # the shm engine's data path, native or Python (and why): part of the job's header line
-    data_path = getattr(torch.distributed.group.WORLD, "data_path", "") if backend == "shm" else ""
+    # the shm engine's data path, native or Python (and why), and its leg between nodes: the header's
+    data_path = getattr(torch.distributed.group.WORLD, "paths", "") if backend == "shm" else ""
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.seq_len > SIZES[args.size]["max_positions"]:

@@ -132,11 +132,11 @@ def test_the_leg_travels_as_group_options_and_the_users_setting_wins(caplog):
     assert "CPUDDP_SHM_INTER" not in backend_env(env, choice, None, {"GLOO_SOCKET_IFNAME": "eth0"})
 
 
-def test_a_leg_that_is_neither_gloo_nor_ccl_is_a_clear_error():
+def test_a_leg_that_is_not_gloo_ccl_or_mpi_is_a_clear_error():
     from cpuddp.errors import BackendError
 
-    with pytest.raises(BackendError, match=r"CPUDDP_SHM_INTER='mpi'.*\n.*CPUDDP_SHM_INTER=gloo or CPUDDP_SHM_INTER=ccl"):
-        user_leg(BackendChoice("shm", "auto", "cpuddp.shm", inter="gloo"), {"CPUDDP_SHM_INTER": "mpi"})
+    with pytest.raises(BackendError, match=r"CPUDDP_SHM_INTER='nccl'.*\n.*CPUDDP_SHM_INTER to one of gloo, ccl, mpi"):
+        user_leg(BackendChoice("shm", "auto", "cpuddp.shm", inter="gloo"), {"CPUDDP_SHM_INTER": "nccl"})
 
 
 def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes():
@@ -146,6 +146,7 @@ def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes():
     import torch.distributed as dist
 
     from cpuddp.backends.agreement import agree_backend
+    from cpuddp.launchers.hosts import sharing
 
     mine = BackendChoice("shm", "auto: test", "cpuddp.shm", "auto", inter="ccl")
     td = datetime.timedelta(seconds=5)
@@ -153,12 +154,12 @@ def test_ranks_that_disagree_on_the_leg_take_gloo_between_nodes():
     store = dist.HashStore()
     store.set("b/1", "shm")
     store.set("b/inter/1", "gloo")  # rank 1's node has no working bindings
-    choice = agree_backend(mine, "auto", env, store, "b", td)
-    assert (choice.name, choice.inter) == ("shm", "gloo") and "not every rank has working oneCCL" in choice.reason
+    choice = agree_backend(mine, "auto", env, sharing(store, 0, 2, td), "b")
+    assert (choice.name, choice.inter) == ("shm", "gloo") and "not every rank can take the same leg (ccl, gloo)" in choice.reason
     store = dist.HashStore()
     store.set("c/1", "shm")
     store.set("c/inter/1", "ccl")
-    assert agree_backend(mine, "auto", env, store, "c", td).inter == "ccl"
+    assert agree_backend(mine, "auto", env, sharing(store, 0, 2, td), "c").inter == "ccl"
 
 
 def test_auto_reaches_one_answer_on_every_node_of_an_uneven_job():
@@ -195,3 +196,76 @@ def test_a_oneccl_leg_loads_the_bindings_as_backend_ccl_does(monkeypatch):
     with pytest.raises(BackendError, match="node-to-node leg is oneCCL, but oneccl_bind_pt 2.8.0 was built") as info:
         cross_group(object(), SimpleNamespace(node=0, nodes=2), datetime.timedelta(seconds=5), "ccl")
     assert "CPUDDP_SHM_INTER=gloo" in info.value.fix
+
+
+# --------------------------------------------------------------------------- the MPI leg
+
+
+MPI_OK = "mpi4py with MPICH Version: 5.0.2"
+
+
+def _mpi_facts(local: int, nodes: int, mpi: bool, ccl: bool = False, environ: dict | None = None) -> AutoFacts:
+    import dataclasses
+
+    return dataclasses.replace(_facts(local, nodes, 8, ccl, environ=environ), mpi_ok=mpi,
+                               mpi_why=MPI_OK if mpi else "mpi4py is not installed (pip install cpuddp[mpi])",
+                               single_rank_node=local < 2, shm_opted_out=(environ or {}).get("CPUDDP_SHM") == "0")
+
+
+@pytest.mark.parametrize("local, nodes, mpi, ccl, expected", [
+    (2, 2, True, False, ("shm", "mpi")),   # hierarchical: MPI between nodes
+    (2, 2, True, True, ("shm", "mpi")),    # ... before a working oneCCL
+    (2, 2, False, True, ("shm", "ccl")),
+    (2, 2, False, False, ("shm", "gloo")),
+    (1, 3, True, False, ("shm", "mpi")),   # one rank per node: every collective over MPI
+    (1, 3, True, True, ("shm", "mpi")),
+    (1, 3, False, True, ("ccl", None)),
+    (1, 3, False, False, ("gloo", None)),
+    (2, 1, True, False, ("shm", None)),    # one node: no leg
+    (1, 1, True, False, ("gloo", None)),   # a world of one
+])
+def test_the_mpi_leg_comes_first_between_nodes(local, nodes, mpi, ccl, expected):
+    d = auto_rule(_mpi_facts(local, nodes, mpi, ccl))
+    assert (d.backend, d.inter) == expected, d.reason
+    if expected[1] == "mpi":
+        assert MPI_OK in d.reason
+    if nodes > 1 and not mpi:
+        assert "no MPI leg: mpi4py is not installed" in d.reason
+
+
+def test_opting_out_of_shm_keeps_single_rank_nodes_off_the_mpi_leg():
+    d = auto_rule(_mpi_facts(1, 2, True, environ={"CPUDDP_SHM": "0"}))
+    assert (d.backend, d.inter) == ("gloo", None)
+
+
+def _job(launcher: str, nodes: int = 2) -> DistEnv:
+    return DistEnv(rank=0, world_size=2 * nodes, local_rank=0, local_world_size=2, node_rank=0, num_nodes=nodes,
+                   master_addr="10.0.0.1", master_port=29500, launcher=launcher)
+
+
+def test_the_mpi_legs_status_needs_an_mpi_launcher_and_a_library():
+    from cpuddp.backends.registry import leg_status
+    from cpuddp.backends.types import _lookups
+    from cpuddp.launchers.mpi import MpiLibrary
+
+    def found(ok: bool):
+        lk = _lookups(environ={})
+        import dataclasses
+
+        return dataclasses.replace(lk, mpi_library=lambda environ: MpiLibrary(ok, "MPICH Version: 5.0.2" if ok else "",
+                                                                              "" if ok else "no library here"))
+
+    st = leg_status("mpi", _job("hydra"), found(True))
+    assert st.available and st.reason == MPI_OK
+    st = leg_status("mpi", _job("hydra"), found(False))
+    assert not st.available and st.reason == "no library here"
+    st = leg_status("mpi", _job("torchrun"), found(True))
+    assert not st.available and "started by torchrun, not by an MPI launcher" in st.reason
+    st = leg_status("mpi", _job("hydra", nodes=1), found(True))
+    assert not st.available and "one node" in st.reason
+
+
+def test_the_leg_may_be_set_to_mpi():
+    choice = user_leg(BackendChoice("shm", "auto", "cpuddp.shm", inter="gloo"), {"CPUDDP_SHM_INTER": "MPI"})
+    assert (choice.inter, choice.inter_set) == ("mpi", True)
+    assert shm_options(choice).require_leg

@@ -9,19 +9,29 @@ import datetime
 import pytest
 import torch.distributed as dist
 
-from cpuddp.backends import decide, forming
+from cpuddp.backends import decide
 from cpuddp.backends import registry as backends
 from cpuddp.backends.shm.api import ShmOptions
 from cpuddp.backends.types import BackendChoice
 from cpuddp.errors import BackendError
 from cpuddp.launchers.env import DistEnv
-from cpuddp.launchers.hosts import Layout
+from cpuddp.launchers.hosts import Layout, sharing
 
 TD = datetime.timedelta(seconds=5)
 #: 4 ranks on 2 nodes, this rank the first of the first node.
 LAYOUT = Layout(rank=0, local_rank=0, local_world_size=2, node_rank=0, nodes=((0, 1), (2, 3)),
                 local_cpus=(frozenset({0}), frozenset({1})))
 ENV = DistEnv(rank=0, world_size=4, local_rank=0, local_world_size=2, num_nodes=2, master_addr="127.0.0.1")
+
+
+def _share(store):
+    """Rank 0's exchange over ``store``, where the test has written the other ranks' values."""
+    return sharing(store, ENV.rank, ENV.world_size, TD)
+
+
+def _options(env: DistEnv, plan: decide.BackendPlan):
+    """The group's options the agreed backend's object builds from ``plan``."""
+    return plan.choice.backend.group_options(env, plan)
 
 
 def _shm_everywhere(monkeypatch, facts: dict) -> None:
@@ -34,9 +44,9 @@ def _shm_everywhere(monkeypatch, facts: dict) -> None:
 
 def test_a_world_of_one_gets_a_frozen_plan_with_its_settings(monkeypatch):
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    plan = decide.decide_backend("gloo", DistEnv(), None, None, "b", TD, {}, pin=False)
+    plan = decide.decide_backend("gloo", DistEnv(), None, None, "b", {}, pin=False)
     assert (plan.name, plan.choice.inter, plan.pin_plan) == ("gloo", None, None)
-    assert forming.group_options(DistEnv(), plan) is None
+    assert _options(DistEnv(), plan) is None
     assert plan.env == {"GLOO_SOCKET_IFNAME": "lo"}  # one node on loopback
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.env = {}  # type: ignore[misc]
@@ -49,15 +59,15 @@ def test_shm_agreed_by_every_rank_carries_its_leg_and_the_proven_layout(monkeypa
     for r in (1, 2, 3):
         store.set(f"b/{r}", "shm")
         store.set(f"b/inter/{r}", "ccl")
-    plan = decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=False)
+    plan = decide.decide_backend("auto", ENV, LAYOUT, _share(store), "b", {}, pin=False)
     assert (facts["node_cpus"], facts["smallest_node"]) == (2, 2)  # the proven layout's, not the launcher's
-    assert forming.group_options(ENV, plan) == ShmOptions(inter="ccl", async_comm=False, local_size=2)
+    assert _options(ENV, plan) == ShmOptions(inter="ccl", async_comm=False, local_size=2)
     store = dist.HashStore()
     for r in (1, 2, 3):
         store.set(f"c/{r}", "shm")
         store.set(f"c/inter/{r}", "gloo" if r == 3 else "ccl")  # rank 3's node has no working bindings
-    plan = decide.decide_backend("auto", ENV, LAYOUT, store, "c", TD, {}, pin=False)
-    assert plan.choice.inter == forming.group_options(ENV, plan).inter == "gloo"
+    plan = decide.decide_backend("auto", ENV, LAYOUT, _share(store), "c", {}, pin=False)
+    assert plan.choice.inter == _options(ENV, plan).inter == "gloo"
     assert "gloo after all" in plan.choice.reason
 
 
@@ -75,7 +85,7 @@ def test_ranks_that_disagree_stop_before_anything_is_carried_out(monkeypatch):
         store.set(f"b/{r}", "gloo" if r == 2 else "shm")
     with pytest.raises(BackendError, match=r"rank 0: the ranks' backend choices differ: rank 0: shm, rank 2: gloo; "
                        r"1 rank\(s\) differ from this rank's 'shm'"):
-        decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=True)
+        decide.decide_backend("auto", ENV, LAYOUT, _share(store), "b", {}, pin=True)
     assert (dict(os.environ), pin.current_plan()) == before
 
 
@@ -87,8 +97,8 @@ def test_shm_options_carry_the_pinning_plans_cpus(monkeypatch):
     for r in (1, 2, 3):
         store.set(f"b/{r}", "shm")
         store.set(f"b/inter/{r}", "ccl")
-    plan = decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=True)
-    options = forming.group_options(ENV, plan)
+    plan = decide.decide_backend("auto", ENV, LAYOUT, _share(store), "b", {}, pin=True)
+    options = _options(ENV, plan)
     assert plan.pin_plan is not None and options.cpus == tuple(plan.pin_plan.cpus), (plan.pin_plan, options)
 
 
@@ -110,7 +120,7 @@ def test_shm_with_a_oneccl_leg_gets_oneccls_settings_and_worker_cores(monkeypatc
     for r in (1, 2, 3):
         store.set(f"b/{r}", "shm")
         store.set(f"b/inter/{r}", "ccl")
-    plan = decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {}, pin=True)
+    plan = decide.decide_backend("auto", ENV, LAYOUT, _share(store), "b", {}, pin=True)
     assert plan.choice.inter == "ccl" and plan.env.get("CCL_WORKER_COUNT") == "1", plan.env
     assert asked == [1]  # the pinning plan makes room for oneCCL's worker (CCL_WORKER_COUNT's default)
 
@@ -125,11 +135,11 @@ def test_a_leg_the_user_set_differently_on_another_node_is_an_error_naming_both(
         store.set(f"b/inter/{r}", "ccl_set" if r < 2 else "gloo")  # node 1 set nothing: the rule's gloo
     with pytest.raises(BackendError, match=r"legs differ: rank 0: gloo \(CPUDDP_SHM_INTER\), rank 1: ccl "
                                            r"\(CPUDDP_SHM_INTER\)") as err:
-        decide.decide_backend("auto", ENV, LAYOUT, store, "b", TD, {"CPUDDP_SHM_INTER": "gloo"}, pin=False)
+        decide.decide_backend("auto", ENV, LAYOUT, _share(store), "b", {"CPUDDP_SHM_INTER": "gloo"}, pin=False)
     assert "set the same CPUDDP_SHM_INTER" in str(err.value)
     store = dist.HashStore()
     for r in (1, 2, 3):
         store.set(f"c/{r}", "shm")
         store.set(f"c/inter/{r}", "gloo_set")
-    plan = decide.decide_backend("auto", ENV, LAYOUT, store, "c", TD, {"CPUDDP_SHM_INTER": "gloo"}, pin=False)
-    assert forming.group_options(ENV, plan).inter == "gloo"  # every rank set gloo: agreed
+    plan = decide.decide_backend("auto", ENV, LAYOUT, _share(store), "c", {"CPUDDP_SHM_INTER": "gloo"}, pin=False)
+    assert _options(ENV, plan).inter == "gloo"  # every rank set gloo: agreed

@@ -225,6 +225,23 @@ def test_header_lines_name_backend_threads_and_versions() -> None:
         assert needle in text, needle
 
 
+def test_header_and_comparison_name_the_data_path_measured() -> None:
+    """`cpuddp bench` never said which data path it measured: shm's in the job header's words
+    (native and its width, or Python and why), another backend's by its name."""
+    meta = {
+        "collective": "allreduce", "nranks": 2, "nodes": 1, "launcher": "env", "backend": "shm",
+        "data_path": "native data path, avx2",
+        "versions": {"cpuddp": "0.1.0", "torch": "2.13.0+cpu", "python": "3.11.7"},
+        "min": 1024, "max": 4096, "factor": 2.0, "warmup": 1, "iters": 2, "dtype": "float32", "inplace": True,
+        "check": True, "pin": True, "ranks": [], "ceiling": None,
+    }
+    assert "# backend: shm (native data path, avx2)" in bench_report.header_lines(meta)
+    gloo = dict(meta, backend="gloo", data_path="gloo")
+    assert "# backend: gloo" in bench_report.header_lines(gloo)
+    line = bench_report.data_paths_line({"gloo": "gloo", "shm": "Python data path: CPUDDP_SHM_NATIVE=0"})
+    assert line == "# data paths: gloo; shm (Python data path: CPUDDP_SHM_NATIVE=0)"
+
+
 # --------------------------------------------------------------------------- several backends in one run
 
 

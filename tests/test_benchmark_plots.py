@@ -26,10 +26,12 @@ def _load(name: str):
 
 CASES = {
     "frameworks": lambda m, tmp: m.plot({"hf": {"ratio": 1.0, "default": {"median": 1, "min": 1, "max": 1},
-                                                 "cpuddp": {"median": 1, "min": 1, "max": 1}}}, tmp / "f.png"),
+                                                 "cpuddp": {"median": 1, "min": 1, "max": 1}}}, tmp / "f.png",
+                                        {"cpu": "cpu", "versions": {"torch": "2.13.0"}}),
     "pinning": lambda m, tmp: m.plot({"cpuddp": 1.0}, {"cpuddp": [1.0]}, tmp / "p.png", "title"),
     "netns_model": lambda m, tmp: m.plot(tmp / "n.png"),
     "train_throughput": lambda m, tmp: m.plot({}, tmp / "t.png", "title"),
+    "plot_readme": lambda m, tmp: m.draw({}, tmp / "r.png", "cpu", "data path"),
 }
 
 

@@ -117,6 +117,39 @@ def test_bench_allreduce_nproc2_outputs(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("native", [None, "0"])
+def test_bench_and_doctor_name_the_same_data_path(tmp_path: Path, native: Optional[str]) -> None:
+    """`cpuddp bench` names the data path it measured, in its header and its JSON, and it is the
+    one `cpuddp doctor --ranks 2` names for the same 2 ranks (native and its width, or Python
+    and why)."""
+    extra = {"CPUDDP_SHM_NATIVE": native or ""}  # "": unset (clean_env keeps the caller's variables)
+    doc = cpuddp("doctor", "--ranks", "2", "--json", env=extra, timeout=100)
+    assert doc.returncode == 0, doc.stderr
+    report = json.loads(doc.stdout)
+    auto = report["backends"]["auto"]["name"]
+    shm = next(b for b in report["backends"]["backends"] if b["name"] == "shm")
+    out = tmp_path / "b.json"
+    r = cpuddp("bench", "allreduce", "--nproc", "2", "-b", "1K", "-e", "1K", "-w", "1", "-n", "1", "--no-ceiling",
+               "--timeout", "120", "--json", str(out), env=extra, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    meta = json.loads(out.read_text())["meta"]
+    assert meta["backend"] == auto, (meta["backend"], auto)
+    if auto != "shm":
+        assert meta["data_path"] == auto and f"# backend: {auto}\n" in r.stdout
+        return
+    assert f"# backend: shm ({meta['data_path']})" in r.stdout, r.stdout
+    said = shm["data_path"]  # "native (avx2)" or "python (<why>)"
+    if shm["native"]:
+        width = said[len("native ("):].split(")")[0].split(":")[0]
+        assert meta["data_path"] == f"native data path, {width}", (meta["data_path"], said)
+    else:
+        assert meta["data_path"].startswith("Python data path: "), (meta["data_path"], said)
+        if native == "0":
+            assert said == "python (CPUDDP_SHM_NATIVE=0)" and meta["data_path"].endswith("CPUDDP_SHM_NATIVE=0")
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_bench_min_busbw_sets_exit_code() -> None:
     r = cpuddp("bench", "reduce_scatter", "--nproc", "2", *TINY, "--inplace", "-d", "bfloat16",

@@ -348,3 +348,67 @@ def test_under_a_launcher_rank_0_shows_every_local_rank_in_a_table() -> None:
     table = text.split("Pinning plan: 2 local rank(s) of this node")[1].splitlines()[1:4]
     assert table[0].split() == ["rank", "local", "CPUs", "threads"]
     assert [r.split()[:2] for r in table[1:]] == [["0", "0"], ["1", "1"]]
+
+
+# --------------------------------------------------------------------------- one story
+
+
+def _backend_lines(text: str) -> list[str]:
+    return text.split("\nBackends\n")[1].split("\n\n")[0].splitlines()
+
+
+@pytest.mark.parametrize("native", [None, "0"])
+def test_shm_is_one_line_that_names_its_data_path(native: Optional[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`[yes] shm: ... (pure Python over torch ops; cpuddp.shm)` stood directly above `shm data
+    path: native (avx2)`: one line now, naming the data path status() gives (native and its
+    width, or Python and why), and the job's backend line names the same one."""
+    from cpuddp.backends.shm import native as shm_native
+
+    if native is None:
+        monkeypatch.delenv("CPUDDP_SHM_NATIVE", raising=False)
+    else:
+        monkeypatch.setenv("CPUDDP_SHM_NATIVE", native)
+    is_native, path = shm_native.status()
+    report = collect({}, ranks=2)
+    shm = next(b for b in report["backends"]["backends"] if b["name"] == "shm")
+    assert (shm["native"], shm["data_path"]) == (is_native, path)
+    text = format_text(report)
+    (line,) = [x for x in _backend_lines(text) if "shm" in x and not x.lstrip().startswith("auto")]
+    assert line.lstrip().startswith(("[yes] shm: ", "[no ] shm: ")) and line.endswith(f"data path {path}"), line
+    assert "Python over torch ops" not in text and "shm data path" not in text
+    assert ("python (CPUDDP_SHM_NATIVE=0)" == path) == (native == "0")
+    if report["job"]["backend"].get("name") == "shm":
+        assert f"  backend: shm, data path {path}; " in text, text
+
+
+def test_ranks_n_is_one_job_throughout_the_report() -> None:
+    """`doctor --ranks 2` said `auto -> gloo (... this node runs 1 rank(s) ...)` in Backends and
+    `auto -> shm (... 2 local ranks ...)` in the plan below: one job of N ranks, one answer."""
+    report = collect({}, ranks=2)
+    auto, job = report["backends"]["auto"], report["job"]["backend"]
+    assert report["view"] == "job" and auto == job and auto["name"] == report_backend_for_two()
+    assert auto["for"] == "a job of 2 rank(s) on this node"
+    text = format_text(report)
+    assert "this node runs 1 rank(s)" not in text, text
+    assert f"  auto for a job of 2 rank(s) on this node -> {auto['name']} (" in text, text
+    assert f"  backend: {auto['name']}" in text.split("A job here")[1]
+    assert text.count(auto["reason"]) == 1  # said once, in Backends
+
+
+def test_ranks_that_cannot_run_here_still_get_autos_answer_for_that_many() -> None:
+    report = collect({}, ranks=999)
+    assert report["job"]["available"] is False
+    auto = report["backends"]["auto"]
+    assert auto["for"] == "a job of 999 rank(s) on this node" and auto["name"] != "shm", auto
+
+
+def test_under_a_launcher_auto_is_for_the_launchers_job_and_the_plan_names_its_data_path() -> None:
+    environ = {"PMI_RANK": "0", "PMI_SIZE": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
+    report = collect(environ)
+    auto = report["backends"]["auto"]
+    assert report["view"] == "launcher" and auto["for"] == "this job (2 rank(s) on this node, 1 node(s))"
+    assert report["pinning"]["backend"] == auto["name"]
+    head = next(x for x in format_text(report).splitlines() if x.startswith("Pinning plan"))
+    shm = next(b for b in report["backends"]["backends"] if b["name"] == "shm")
+    want = f"shm, data path {shm['data_path']}" if auto["name"] == "shm" else auto["name"]
+    assert head.endswith(f", backend {want}"), head

@@ -119,8 +119,8 @@ def test_ranks_whose_auto_choices_differ_stop_naming_each_choice_never_gloo():
     env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
     with pytest.raises(BackendError, match=r"rank 0: the ranks' backend choices differ: rank 0: shm, rank 1: gloo; "
                        r"1 rank\(s\) differ from this rank's 'shm'") as err:
-        agree_backend(BackendChoice("shm", "auto: test", None, "auto"), "auto", env, store, "b", TD)
+        agree_backend(BackendChoice("shm", "auto: test", None, "auto"), "auto", env, hosts.sharing(store, 0, 2, TD), "b")
     assert "writes to its rendezvous store" in err.value.fix and "backend='gloo'" in err.value.fix
     store.set("c/1", "gloo")
     with pytest.raises(BackendError, match=r"choices differ \(backend='shm' on this rank\): rank 0: shm, rank 1: gloo"):
-        agree_backend(BackendChoice("shm", "by name", None, "shm"), "shm", env, store, "c", TD)
+        agree_backend(BackendChoice("shm", "by name", None, "shm"), "shm", env, hosts.sharing(store, 0, 2, TD), "c")

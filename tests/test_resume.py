@@ -316,3 +316,68 @@ def test_a_ddp_checkpoint_resumes_into_a_sharded_model(run_distributed, tmp_path
     release_directory(d)  # this process (a notebook, say) hands the directory to the job it starts
     for r in run_distributed(_resume, 2, args=(d, "fsdp"), timeout=120):
         assert r["step"] == 1 and _same_weights(r["weights"], model.state_dict()) and r["opt_steps"] == {1.0}
+
+
+# --------------------------------------------------------------------------- what a resume says
+
+
+#: One process with no logging configured, as a plain script: a first run (nothing in the
+#: directory), a save, then a resume; what it prints is what a user sees.
+_SAY = r'''
+import sys, torch, cpuddp
+d = sys.argv[1]
+model = torch.nn.Linear(2, 2)
+print("LOADED", cpuddp.load_checkpoint(d, model=model), flush=True)
+cpuddp.save_checkpoint(d, step=3, epoch=1, model=model)
+print("LOADED", cpuddp.load_checkpoint(d, model=model).step, flush=True)
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_resume_says_which_checkpoint_and_step_and_a_first_run_says_it_starts_at_0(tmp_path) -> None:
+    """A successful load_checkpoint said nothing (its INFO record went nowhere) while a
+    directory that does not exist warned: each says one line, where a plain script sees it."""
+    import subprocess
+    import sys
+
+    from cpuddp.testing import clean_environ
+
+    d = str(tmp_path / "ck")
+    env = dict(clean_environ(os.environ), PYTHONPATH=os.path.dirname(os.path.dirname(cpuddp.__file__)))
+    r = subprocess.run([sys.executable, "-c", _SAY, d], capture_output=True, text=True, timeout=100, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["LOADED None", "LOADED 3"], r.stdout
+    said = [line for line in r.stderr.splitlines() if line.startswith("cpuddp:")]
+    assert said == [f"cpuddp: no checkpoint in {d} (it does not exist): starting at step 0, as a first run does; if "
+                    "this run should resume, check the path (the directory save_checkpoint() wrote)",
+                    f"cpuddp: resumed from {os.path.join(d, 'step-000000003.pt')} at step 3, epoch 1 (saved by 1 "
+                    "rank(s), now 1)"], r.stderr
+
+
+def _resume_and_listen(directory: str) -> list[str]:
+    """Resume on this rank; the checkpoint logger's records here (a handler of its own)."""
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    log = logging.getLogger("cpuddp.checkpoint")
+    log.addHandler(Keep())
+    log.setLevel(logging.INFO)
+    model = nn.Linear(2, 2)
+    assert load_checkpoint(directory, model=model).step == 5
+    return records
+
+
+@pytest.mark.timeout(240)
+def test_a_resume_on_two_ranks_is_said_once_on_rank_0(run_distributed, tmp_path) -> None:
+    d = str(tmp_path / "ck")
+    save_checkpoint(d, step=5, model=nn.Linear(2, 2))
+    release_directory(d)
+    said = run_distributed(_resume_and_listen, 2, args=(d,), timeout=120)
+    line = f"cpuddp: resumed from {os.path.join(d, 'step-000000005.pt')} at step 5 (saved by 1 rank(s), now 2)"
+    assert [[s for s in rank if "resumed from" in s] for rank in said] == [[line], []], said
+    assert said[1] == [] and said[0][0].startswith("resuming at world size 2"), said  # rank 0's, each once

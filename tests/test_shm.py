@@ -417,8 +417,13 @@ def test_two_namespace_hosts_of_two_ranks_match_gloo_and_each_other(tmp_path):
                     p.wait()
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) if (tmp_path / f"rank{r}.json").exists()
                else {"output": outs[r][-3000:]} for r in range(4)]
+    from cpuddp.backends.shm import native
+
+    path = "native data path" if native.status()[0] else "Python data path"  # the node part's
     for r in reports:
-        assert r.get("reason") == "shared memory within each of 2 nodes (2 ranks each), gloo between them", r
+        reason = r.get("reason", "")
+        assert reason.startswith("shared memory within each of 2 nodes (2 ranks each; "), r
+        assert reason.endswith("), gloo between them") and path in reason, r
         assert r["bad"] == [], r["bad"][:20]
         assert r["shm_calls"] > 50, r
     assert all(r["digests"] == reports[0]["digests"] for r in reports), "ranks differ"

@@ -25,7 +25,8 @@ from cpuddp.backends.shm.native import layout
 
 REPO = Path(__file__).resolve().parents[1]
 SHM = REPO / "cpuddp" / "backends" / "shm"
-C_SOURCES = [SHM / "native" / "engine.c", SHM / "native" / "kernels.h", *sorted((REPO / "tests" / "native").glob("*.c"))]
+C_SOURCES = [SHM / "native" / "engine.c", SHM / "native" / "kernels.h",
+             *sorted((REPO / "tests" / "native").glob("*.c"))]
 
 
 def test_the_header_reads_as_tables_and_field_lists():
@@ -106,7 +107,7 @@ def hand_built(tmp_path_factory) -> Path:
     header.write_text(text)
     path = where / native_build.LIB_NAME
     flags = [f for f in native_build.FLAGS if not f.startswith(("-W", "-O"))] + ["-O0"]  # quick to build
-    subprocess.run([cc, *flags, "-o", str(path), str(where / "engine.c")], check=True)
+    subprocess.run([*cc, *flags, "-o", str(path), str(where / "engine.c")], check=True)
     return path
 
 
@@ -117,9 +118,8 @@ def test_a_library_built_from_another_layout_is_refused_naming_the_word(hand_bui
     def no_sources(where: str = native_build.HERE) -> str:  # an install without the C sources
         raise FileNotFoundError(where)
 
-    monkeypatch.setattr(native_build, "HERE", str(hand_built.parent))
     monkeypatch.setattr(native_build, "digest", no_sources)
-    got, why = native._load()
+    got, why = native._load(str(hand_built.parent))
     assert got is None and "built from another layout.h (its WAIT_CHECK_NS is 30000000" in why, why
     assert "pip install again" in why
 

@@ -409,7 +409,7 @@ def test_the_protocol_under_thread_sanitizer(tmp_path):
     if cc is None:
         pytest.skip("no C compiler")
     exe = tmp_path / "threads"
-    build = subprocess.run([cc, "-fsanitize=thread", "-O1", "-g", "-pthread", "-std=c11", "-ffp-contract=off",
+    build = subprocess.run([*cc, "-fsanitize=thread", "-O1", "-g", "-pthread", "-std=c11", "-ffp-contract=off",
                             f"-I{native_build.HERE}", str(REPO / "tests" / "native" / "threads.c"), "-o", str(exe)],
                            capture_output=True, text=True)
     if build.returncode != 0 and "tsan" in build.stderr.lower():

@@ -148,7 +148,8 @@ def test_agree_backend_refuses_a_hostile_choice_naming_the_key():
     store = dist.HashStore()
     store.set("agree/1", "gloo; rm -rf /")
     env = DistEnv(rank=0, world_size=2, local_rank=0, local_world_size=2)
-    _refused(agree_backend, resolve_backend("gloo", env, environ={}), "gloo", env, store, "agree", TD, what="store key agree/1 holds 'gloo; rm -rf /'")
+    _refused(agree_backend, resolve_backend("gloo", env, environ={}), "gloo", env, hosts.sharing(store, 0, 2, TD), "agree",
+             what="store key agree/1 holds 'gloo; rm -rf /'")
 
 
 # --------------------------------------------------------------------------- the job key

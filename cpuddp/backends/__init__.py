@@ -1,12 +1,13 @@
 """backends: which collective backend can run here, why, and how to load and configure it.
 
 Owns: the registry and the choice (:mod:`.registry`, the rule of ``backend="auto"`` in
-:mod:`.auto`), the decision init executes (:mod:`.decide`: agreed by every rank, one
-``BackendPlan``), forming the group and proving it (:mod:`.forming`), the data it passes
-around (:mod:`.types`), the oneCCL bindings (:mod:`.ccl`, the import probe :mod:`.ccl_probe`
-and its cache :mod:`.cache`), the variables exported before ``init_process_group``
-(:mod:`.settings`), the explanation of a first collective that fails (:mod:`.failure`), and
-cpuddp's own shared-memory backend (:mod:`.shm`; its public door is :mod:`cpuddp.shm`).
+:mod:`.auto`), the backend's part of init in one call (:mod:`.start`): the decision
+(:mod:`.decide`: agreed by every rank, one ``BackendPlan``), carried out to a group formed and
+proven (:mod:`.forming`), the data it passes around (:mod:`.types`), the oneCCL bindings
+(:mod:`.ccl`, the import probe :mod:`.ccl_probe` and its cache :mod:`.cache`), the variables
+exported before ``init_process_group`` (:mod:`.settings`), the explanation of a first collective
+that fails (:mod:`.failure`), and cpuddp's own shared-memory backend (:mod:`.shm`; its public
+door is :mod:`cpuddp.shm`).
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp._units`, :mod:`cpuddp._compat`, :mod:`cpuddp.topology`,
 :mod:`cpuddp.launchers`, :mod:`cpuddp.affinity`.
 

@@ -1,5 +1,7 @@
 """Every rank's backend choice, checked through the job's store: :func:`agree_backend`, the last
-step of the decision (:mod:`cpuddp.backends.decide`).
+step of the decision (:mod:`cpuddp.backends.decide`).  The store is the session's: the agreement
+is handed this rank's exchange over it (:data:`cpuddp.launchers.hosts.Share`), None in a world
+of one.
 
 A rank keeps the choice it made itself: what the store says of the others' choices can stop
 the job, never change its backend (the store is unauthenticated: a neighbour who rewrote a
@@ -14,33 +16,31 @@ Store keys: ``<name>/<rank>`` (the choices), read through
 
 from __future__ import annotations
 
-import datetime
 import logging
 from typing import TYPE_CHECKING, Optional
 
 from cpuddp.errors import BackendError
-from cpuddp.launchers import hosts, store_values
+from cpuddp.launchers import store_values
 
 from .types import BackendChoice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch.distributed import Store
-
     from cpuddp.launchers.env import DistEnv
+    from cpuddp.launchers.hosts import Share
 
 __all__ = ["agree_backend"]
 
 log = logging.getLogger("cpuddp")
 
 
-def agree_backend(choice: BackendChoice, requested: str, env: "DistEnv", store: Optional["Store"], name: str,
-                  td: datetime.timedelta) -> BackendChoice:
+def agree_backend(choice: BackendChoice, requested: str, env: "DistEnv", share: Optional["Share"],
+                  name: str) -> BackendChoice:
     """``choice`` (this rank's own, for ``requested``), checked against every other rank's through
-    the store under exchange ``name`` (step 3 of :mod:`cpuddp.backends.decide`): the same choice, or an
+    ``share`` under exchange ``name`` (step 3 of :mod:`cpuddp.backends.decide`): the same choice, or an
     error naming each rank's.  Then what else of the choice the backend has the ranks share
     (:meth:`~cpuddp.backends.types.BackendSpec.agree`: shm's node-to-node leg)."""
-    if store is not None:
-        names = hosts.exchange(store, name, env.rank, env.world_size, choice.name, td, what="backend")
+    if share is not None:
+        names = share(name, choice.name, "backend")
         names = [store_values.backend_name(f"{name}/{r}", n) for r, n in enumerate(names)]
         if len(set(names)) != 1:
             differ = [r for r, n in enumerate(names) if n != choice.name]
@@ -55,8 +55,8 @@ def agree_backend(choice: BackendChoice, requested: str, env: "DistEnv", store: 
                     "CPUDDP_SHM, ranks per node) or pass the same explicit backend= on every rank, e.g. "
                     "backend='gloo'",
             )
-    if store is not None:  # what else of the choice the ranks must share (shm: its node-to-node leg)
-        choice = choice.backend.agree(choice, env, store, name, td)
+    if share is not None:  # what else of the choice the ranks must share (shm: its node-to-node leg)
+        choice = choice.backend.agree(choice, env, share, name)
     if env.is_main:
         log.info("cpuddp: backend %s (%s)", choice.name, choice.reason)
     return choice

@@ -2,8 +2,8 @@
 
 In: the backend asked for, and the layout every rank proved (:func:`cpuddp.launchers.proof.prove_node`
 ran before).  Out: a frozen :class:`BackendPlan` -- the backend and its node-to-node leg that
-every rank agreed on, why, the pinning plan for it, the settings to export and the group's
-options -- which the session only executes (export, load, pin, form, prove).
+every rank agreed on, why, the pinning plan for it and the settings to export -- which
+:func:`cpuddp.backends.start.start_backend` carries out (export, load, pin, form, prove).
 
 The pass, in order:
 
@@ -21,12 +21,11 @@ The pass, in order:
    unauthenticated: a neighbour who rewrote a rank's choice to ``gloo`` would otherwise move
    the job onto sockets it can reach; docs/security.md).  shm's node-to-node leg is agreed the
    same way, where a difference means gloo between nodes (the leg changes no plan of step 2:
-   only the group's options, built from the agreed choice when the group forms).
+   only the group's options, which its backend's object builds from the agreed plan).
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping, Optional, Tuple
@@ -39,11 +38,9 @@ from .settings import backend_env
 from .types import BackendChoice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from torch.distributed import Store
-
     from cpuddp.affinity.plan import PinPlan
     from cpuddp.launchers.env import DistEnv
-    from cpuddp.launchers.hosts import Layout
+    from cpuddp.launchers.hosts import Layout, Share
 
 __all__ = ["BackendPlan", "decide_backend"]
 
@@ -53,10 +50,10 @@ class BackendPlan:
     """What init does with the backend, decided once by :func:`decide_backend`.
 
     ``choice``: the backend every rank agreed on (``name``, ``inter``: shm's node-to-node leg,
-    ``reason``, and the module :func:`cpuddp.backends.registry.load_backend` imports);
-    ``pin_plan``: this rank's pinning plan for it (None with ``pin=False``); ``env``: the
-    backend's settings to export to ``os.environ`` (only those the user has not set).  The
-    group's options follow from these (:func:`cpuddp.backends.forming.group_options`)."""
+    ``reason``, and the module its object loads); ``pin_plan``: this rank's pinning plan for it
+    (None with ``pin=False``); ``env``: the backend's settings to export to ``os.environ`` (only
+    those the user has not set).  The group's options follow from these
+    (:meth:`~cpuddp.backends.types.BackendSpec.group_options`)."""
 
     choice: BackendChoice
     pin_plan: Optional["PinPlan"]
@@ -78,13 +75,14 @@ class BackendPlan:
         return tuple(self.pin_plan.cpus) if self.pin_plan is not None else None
 
 
-def decide_backend(requested: str, env: "DistEnv", layout: Optional["Layout"], store: Optional["Store"], key: str,
-                   td: datetime.timedelta, environ: Mapping[str, str], *, pin: bool) -> BackendPlan:
+def decide_backend(requested: str, env: "DistEnv", layout: Optional["Layout"], share: Optional["Share"], key: str,
+                   environ: Mapping[str, str], *, pin: bool) -> BackendPlan:
     """The whole decision for ``requested`` on this rank (see the module docstring).
 
-    ``layout``: the node layout the ranks proved (None for a world of one, with ``store``);
-    ``key``: the store's exchange for the choices (the leg's is ``key/inter``); ``environ``:
-    the mapping init reads (the user's settings).  Raises
+    ``layout``: the node layout the ranks proved (None for a world of one, with ``share``);
+    ``share``: this rank's exchange over the job's store (:func:`cpuddp.launchers.hosts.sharing`);
+    ``key``: its exchange for the choices (the leg's is ``key/inter``); ``environ``: the mapping
+    init reads (the user's settings).  Raises
     :class:`~cpuddp.errors.BackendError` when the ranks disagree, naming ranks and choices:
     nothing of the plan has been carried out then."""
     local_cpus = layout.local_cpus if layout is not None else None
@@ -96,4 +94,4 @@ def decide_backend(requested: str, env: "DistEnv", layout: Optional["Layout"], s
     workers = own.backend.worker_cores(own, environ)  # oneCCL's worker cores, for shm's oneCCL leg too
     pin_plan = plan_for(env, workers=workers, environ=environ, local_cpus=local_cpus) if pin else None
     settings = backend_env(env, own, pin_plan, os.environ)
-    return BackendPlan(agreement.agree_backend(own, requested, env, store, key, td), pin_plan, settings)
+    return BackendPlan(agreement.agree_backend(own, requested, env, share, key), pin_plan, settings)

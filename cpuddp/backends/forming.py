@@ -1,7 +1,8 @@
-"""Forming the process group init decided on (:mod:`cpuddp.backends.decide`), and proving it works.
+"""Forming the process group init decided on (:mod:`cpuddp.backends.decide`), and proving it works:
+the last steps of :func:`cpuddp.backends.start.start_backend`.
 
 :func:`form_group` calls torch's ``init_process_group`` with the job's store and the group's
-options built from the agreed plan (:func:`group_options`; an error naming the rendezvous and
+options the backend's object built from the agreed plan (an error naming the rendezvous and
 the interface fix when the ranks cannot connect); :func:`first_collective` runs one small
 all_reduce, so a backend that forms a group but cannot communicate fails at init with its
 explanation (:mod:`cpuddp.backends.failure`), not in the first training step.
@@ -22,25 +23,17 @@ from .types import BackendChoice
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
 
-    from .decide import BackendPlan
-
-__all__ = ["form_group", "group_options", "first_collective"]
+__all__ = ["form_group", "first_collective"]
 
 log = logging.getLogger("cpuddp.backends")
 
 
-def group_options(env: "DistEnv", plan: "BackendPlan") -> Any:
-    """The group's ``pg_options`` for the agreed ``plan``: its backend's
-    (:meth:`~cpuddp.backends.types.BackendSpec.group_options`; the shm group's
-    :class:`~cpuddp.backends.shm.api.ShmOptions`), None for torch's defaults."""
-    return plan.choice.backend.group_options(env, plan)
-
-
-def form_group(env: "DistEnv", plan: "BackendPlan", store: Any, td: datetime.timedelta) -> None:
-    """``init_process_group`` for ``plan`` with the job's store (a HashStore for a world of one)."""
+def form_group(env: "DistEnv", backend: str, options: Any, store: Any, td: datetime.timedelta) -> None:
+    """``init_process_group`` for ``backend`` with the group's ``options`` (its ``pg_options``,
+    :meth:`~cpuddp.backends.types.BackendSpec.group_options`: the shm group's
+    :class:`~cpuddp.backends.shm.api.ShmOptions`, None for torch's defaults) and the job's store
+    (a HashStore for a world of one)."""
     import torch.distributed as dist
-
-    backend, options = plan.name, group_options(env, plan)
 
     if store is None:
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=td,

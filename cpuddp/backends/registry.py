@@ -161,6 +161,14 @@ def abort_all(why: str) -> None:
             spec.abort(why)
 
 
+def watch_all(check: Optional[Callable[[], Optional[str]]]) -> None:
+    """Every registered backend's ``watch`` hook (the watchdog: its lost-rank check while it
+    runs, None when it stops)."""
+    for spec in list(BACKENDS.values()):
+        if spec.watch is not None:
+            spec.watch(check)
+
+
 def backend_status(name: str, *, metadata: Any = None, find_module: Any = None,
                    environ: Optional[Mapping[str, str]] = None,
                    import_probe: Optional[ImportProbe] = None) -> BackendStatus:
@@ -277,10 +285,25 @@ def _auto_facts(env: "DistEnv", lk: Lookups, device: str, node_cpus: Optional[in
     ccl = _status_of(BackendName.CCL, lk)
     shm = BACKENDS.get(BackendName.SHM)
     shm_st = shm.auto_status(env, lk, node_cpus, smallest_node) if shm is not None else None
+    mpi = leg_status(BackendName.MPI, env, lk)
     return AutoFacts(
         env.local_world_size, max(1, env.num_nodes),
         bool(shm_st and shm_st.available), shm_st.reason if shm_st else "shm is not registered",
-        bool(ccl and ccl.available), ccl.reason if ccl else "ccl is not registered", device)
+        bool(ccl and ccl.available), ccl.reason if ccl else "ccl is not registered", device,
+        mpi_ok=mpi.available, mpi_why=mpi.reason,
+        single_rank_node=smallest_node is not None and smallest_node < 2,
+        shm_opted_out=(lk.environ.get(shm_check.OPT_OUT_VAR) or "").strip() == "0")
+
+
+def leg_status(name: str, env: "DistEnv", lk: Lookups) -> BackendStatus:
+    """Whether backend ``name`` can carry the shm group's leg between nodes here (not asked on
+    one node, where there is no leg)."""
+    spec = BACKENDS.get(name)
+    if spec is None:
+        return BackendStatus(name, False, f"{name} is not registered")
+    if env.num_nodes <= 1:
+        return BackendStatus(name, False, "one node: no leg between nodes")
+    return spec.leg_status(env, lk)
 
 
 def _status_of(name: str, lk: Lookups) -> Optional[BackendStatus]:
@@ -304,7 +327,7 @@ _add(NcclBackend(BackendName.NCCL, devices=("cuda",), description="NVIDIA NCCL, 
 register_backend(BackendName.ACCL, module="torch_accl", devices=("cuda",), distribution="torch_accl",
                  description="Alibaba ACCL plug-in (import torch_accl, backend 'accl')")
 _add(ShmBackend(BackendName.SHM, module="cpuddp.shm", devices=("cpu",), probe=shm_check.probe, leave=shm_api.leave_all,
-                abort=shm_api.abort_all,
+                abort=shm_api.abort_all, watch=shm_api.watch_lost,
                 description="cpuddp's shared-memory collectives within a node, gloo or oneCCL between nodes "
                             "(cpuddp.shm)"))
 

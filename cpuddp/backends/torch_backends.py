@@ -71,7 +71,22 @@ class GlooBackend(TorchBackend):
 
 
 class MpiBackend(TorchBackend):
-    """torch's MPI backend: every rank must be in one MPI world, so an MPI launcher started them."""
+    """torch's MPI backend: every rank must be in one MPI world, so an MPI launcher started them.
+    As the shm group's node-to-node leg, MPI runs through mpi4py instead (any PyPI torch), not
+    torch's own (which needs a torch built from source against an MPI)."""
+
+    def leg_status(self, env: "DistEnv", lk: Lookups) -> BackendStatus:
+        """The MPI leg (mpi4py) can run where an MPI launcher, or srun, started the ranks as one MPI
+        world and mpi4py finds an MPI library; every rank then checks, once MPI has started, that
+        MPI's world is the launcher's (:mod:`cpuddp.backends.shm.cross.legs`)."""
+        if not starts_mpi_world(env.launcher):
+            return BackendStatus(self.name, False, f"the job was started by {env.launcher}, not by an MPI launcher")
+        from cpuddp.launchers.mpi import find_library
+
+        found = (lk.mpi_library or find_library)(lk.environ)
+        if not found.ok:
+            return BackendStatus(self.name, False, found.reason)
+        return BackendStatus(self.name, True, f"mpi4py with {found.library}", version=found.library)
 
     def check_request(self, env: "DistEnv", device: Optional[str]) -> None:
         if env.world_size > 1 and not starts_mpi_world(env.launcher):

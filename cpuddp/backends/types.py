@@ -36,6 +36,7 @@ from cpuddp.errors import BackendError
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
+    from cpuddp.launchers.hosts import Share
 
 
 __all__ = ["BackendName", "BackendStatus", "BackendChoice", "BackendSpec", "BACKENDS", "backend_for", "Lookups",
@@ -134,13 +135,15 @@ class Lookups:
     it); ``environ`` is read for ``CPUDDP_CCL_SKIP_VERSION_CHECK``;
     ``import_probe(module, torch_version)`` says whether ``import torch, <module>`` works,
     without importing it here (default: :func:`cpuddp.backends.ccl_probe.check_import`, a cached
-    child process).
+    child process); ``mpi_library(environ)`` whether mpi4py finds an MPI library, and which
+    (default: :func:`cpuddp.launchers.mpi.find_library`, a child process once per process).
     """
 
     metadata: MetadataLookup
     find_module: ModuleFinder
     environ: Mapping[str, str] = field(default_factory=dict)
     import_probe: Optional[ImportProbe] = None
+    mpi_library: Optional[Callable[[Mapping[str, str]], Any]] = None
 
 
 ProbeResult = Union[bool, Tuple[bool, str], BackendStatus]
@@ -168,6 +171,10 @@ class BackendSpec:
     description: str = ""
     leave: Optional[Callable[[], None]] = None
     abort: Optional[Callable[[str], None]] = None
+    #: ``watch(check)``: its long waits ask ``check()`` now and then whether a rank of the job is
+    #: known lost (None: none; else the text that names it); ``watch(None)`` stops them.  The
+    #: watchdog registers its own check while it runs.
+    watch: Optional[Callable[[Optional[Callable[[], Optional[str]]]], None]] = None
 
     #: Whether its check imports torch (torch's own backends): ``cpuddp doctor`` without
     #: ``--torch`` lists it unprobed.
@@ -241,10 +248,10 @@ class BackendSpec:
         has such variables); read once, before the ranks agree."""
         return choice
 
-    def agree(self, choice: BackendChoice, env: "DistEnv", store: Any, key: str,
-              td: datetime.timedelta) -> BackendChoice:
-        """What else of ``choice`` the ranks must share, agreed through ``store`` under exchange
-        ``key/...`` once every rank chose this backend (nothing, unless the backend has more)."""
+    def agree(self, choice: BackendChoice, env: "DistEnv", share: "Share", key: str) -> BackendChoice:
+        """What else of ``choice`` the ranks must share, agreed through ``share`` (this rank's
+        exchange over the job's store) under exchange ``key/...`` once every rank chose this
+        backend (nothing, unless the backend has more)."""
         return choice
 
     # ------------------------------------------------------------ planning
@@ -307,11 +314,16 @@ class BackendSpec:
                                 f"shows the same backend, that the hosts reach each other on that interface, "
                                 f"or pass backend='gloo' to rule {self.name} out")
 
+    def leg_status(self, env: "DistEnv", lk: Lookups) -> BackendStatus:
+        """Whether this backend can carry the shm group's node-to-node leg here, and why: by
+        default, whether it can run (its :meth:`status`)."""
+        return self.status(lk)
+
     def create_group(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Any:
         """A process group of this backend over ``store`` (shm's node-to-node leg); only the
         backends that can be a leg have one."""
         raise BackendError(f"backend {self.name!r} cannot carry the shm group's node-to-node leg",
-                           fix="use gloo or ccl between nodes (CPUDDP_SHM_INTER)")
+                           fix="use gloo, ccl or mpi between nodes (CPUDDP_SHM_INTER)")
 
 
 #: name -> :class:`BackendSpec`, filled by :mod:`cpuddp.backends.registry` (which every import of

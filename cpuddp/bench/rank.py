@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .config import BenchConfig
 
-__all__ = ["run_rank", "exchange_json", "measure_copy_bandwidth", "TEARDOWN_TIMEOUT"]
+__all__ = ["run_rank", "data_path", "exchange_json", "measure_copy_bandwidth", "TEARDOWN_TIMEOUT"]
 
 #: Seconds the teardown waits for torch's destroy_process_group before abandoning it.
 TEARDOWN_TIMEOUT = 10.0
@@ -93,6 +93,7 @@ def _meta(cfg: BenchConfig, env: Any, n: int) -> dict[str, Any]:
         "nodes": len({i["host_id"] for i in infos}),  # hostname, boot and network namespace
         "launcher": getattr(env, "launcher", None) or ("env" if n > 1 else "none"),
         "backend": backend if not chosen or chosen == backend else f"{chosen} (process group: {backend})",
+        "data_path": data_path(dist.group.WORLD),
         "versions": versions(("torch", "cpuddp", "oneccl_bind_pt", "ipex"), imported_torch=True),
         "min": cfg.min, "max": cfg.max, "factor": cfg.factor,
         "warmup": cfg.warmup, "iters": cfg.iters, "dtype": cfg.dtype, "inplace": cfg.inplace,
@@ -101,6 +102,15 @@ def _meta(cfg: BenchConfig, env: Any, n: int) -> dict[str, Any]:
         "ranks": infos, "ceiling": ceiling, "time": "max over ranks of mean per-iteration time",
         "env": env.as_dict() if hasattr(env, "as_dict") else None,
     }
+
+
+def data_path(group: Any) -> str:
+    """The data path ``group``'s collectives take, as the job's header names it: the shm group's
+    own words (``native data path, avx2``, ``Python data path: <why>``), else its backend's name
+    (gloo, ccl: the backend moves the bytes itself)."""
+    import torch.distributed as dist
+
+    return str(getattr(group, "data_path", "") or dist.get_backend(group))
 
 
 def _ceiling_all_at_once(nbytes: int, nodes: int) -> dict[str, Any]:
@@ -166,9 +176,11 @@ def _compare_backends(cfg: BenchConfig, shaped: Sequence[tuple[int, int]], rank:
     for b in names[1:]:
         load_backend(b)
         groups[b] = dist.new_group(backend=b)
+    paths = {b: data_path(groups[b] or dist.group.WORLD) for b in names}
     if rank == 0:
         out(f"# compare backends: {', '.join(names)} in the same {n} ranks; per size {cfg.rounds} round(s) of "
             f"{cfg.iters} timed calls each, interleaved (ABBA), median round; ratio = {names[0]} time / other's")
+        out(report.data_paths_line(paths))
         for line in report.format_backend_head(names):
             out(line)
     out_rows: list[dict[str, Any]] = []
@@ -194,7 +206,8 @@ def _compare_backends(cfg: BenchConfig, shaped: Sequence[tuple[int, int]], rank:
         for line in report.backend_footer(names, out_rows, meta.get("ceiling") if n > 1 else None, cfg.check,
                                           wrong_total, code):
             out(line)
-        result = {"format": "cpuddp-bench-backends/1", "meta": dict(meta, backends=names), "rows": out_rows}
+        result = {"format": "cpuddp-bench-backends/1", "meta": dict(meta, backends=names, data_paths=paths),
+                  "rows": out_rows}
         report.write_backend_outputs(cfg, result)
     return code
 
@@ -408,7 +421,7 @@ def _rank_info() -> dict[str, Any]:
 def exchange_json(value: Any, group: Any = None) -> list[Any]:
     """Every rank's JSON-able ``value``, in rank order, through two tensor collectives.
 
-    Not ``all_gather_object``: that needs numpy, which a bare torch install lacks (issue 11).
+    Not ``all_gather_object``: that needs numpy, which a bare torch install lacks.
     """
     import torch
     import torch.distributed as dist

@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "out", "header_lines", "format_row", "format_rows", "format_summary", "rows_to_csv", "plan_text",
-    "format_backend_head", "format_backend_row", "backend_footer", "write_json", "write_outputs",
+    "backend_text", "data_paths_line", "format_backend_head", "format_backend_row", "backend_footer", "write_json", "write_outputs",
     "write_backend_outputs", "plot", "plot_backends",
 ]
 
@@ -115,7 +115,7 @@ def header_lines(meta: Mapping[str, Any]) -> list[str]:
     lines = [
         f"# cpuddp bench {meta['collective']}: {meta['nranks']} ranks on {meta['nodes']} node(s), "
         f"launcher {meta['launcher']}",
-        f"# backend: {meta['backend']}",
+        f"# backend: {backend_text(meta['backend'], meta.get('data_path'))}",
         f"# versions: cpuddp {v.get('cpuddp') or '?'}, torch {v.get('torch')}, python {v.get('python')}, "
         f"oneccl_bind_pt {v.get('oneccl_bind_pt') or '-'}, ipex {v.get('ipex') or '-'}",
         f"# sweep: {meta['min']} to {meta['max']} bytes by x{meta['factor']:g}, warm-up {meta['warmup']}, "
@@ -146,6 +146,17 @@ def header_lines(meta: Mapping[str, Any]) -> list[str]:
                      f"fraction means anything. Fix: cpuddp bench {meta['collective']} --nproc N (N local ranks), "
                      "or start it under a launcher")
     return lines
+
+
+def backend_text(backend: str, data_path: Optional[str]) -> str:
+    """``shm (native data path, avx2)``: a backend with the data path it measured, in the words of
+    the job's header line; a backend that moves its own bytes (gloo) is its name alone."""
+    return f"{backend} ({data_path})" if data_path and data_path != backend else backend
+
+
+def data_paths_line(paths: Mapping[str, str]) -> str:
+    """The backend comparison's ``# data paths:`` line: each backend and the data path it measured."""
+    return "# data paths: " + "; ".join(f"{backend_text(b, p)}" for b, p in paths.items())
 
 
 # --------------------------------------------------------------------------- the backend comparison
@@ -272,7 +283,8 @@ def plot(result: Mapping[str, Any], path: str) -> None:
     ax.plot(sizes, [r["algbw"] for r in rows], "s--", alpha=0.6, label="algbw")
     _size_axis(ax, sizes, meta)
     ax.set_ylabel("GB/s")
-    _finish(fig, ax, f"{meta['collective']} {meta['dtype']}, {meta['nranks']} ranks, {meta['backend']}",
+    _finish(fig, ax, f"{meta['collective']} {meta['dtype']}, {meta['nranks']} ranks, "
+            f"{backend_text(meta['backend'], meta.get('data_path'))}",
             "center left", path)
 
 

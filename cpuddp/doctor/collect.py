@@ -59,17 +59,18 @@ def _launcher(environ: Mapping[str, str]) -> tuple[dict[str, Any], Any]:
             "env": d}, env
 
 
-def _backends(env: Any, probe_torch: bool) -> dict[str, Any]:
-    """Every registered backend's status, and what ``backend="auto"`` would pick.
+def _backends(probe_torch: bool) -> dict[str, Any]:
+    """Every registered backend's status; shm's with the data path a group formed here would
+    take (``data_path``: :func:`cpuddp.backends.shm.native.status`'s words -- native and its
+    vector width, or Python and why; ``native``: which).
 
-    "auto" is :func:`cpuddp.backends.resolve_backend`'s answer, the rule init applies
-    (:func:`cpuddp.backends.auto.auto_rule`), for this process's launcher layout and CPUs.
     Without ``probe_torch`` torch's built-in backends are listed unprobed and gloo is taken as
-    built in (every PyPI torch has it); nothing imports torch.
+    built in (every PyPI torch has it); nothing imports torch.  What ``backend="auto"`` picks
+    is :func:`auto_for`'s, for the job the report is about (the report adds it as ``auto``).
     """
     from cpuddp.backends import registry as backends
 
-    light = not probe_torch and "torch" not in sys.modules
+    light = _light(probe_torch)
     items: list[dict[str, Any]] = []
     for name, spec in list(backends.BACKENDS.items()):
         if light and spec.built_into_torch:  # probing it means importing torch (about 2 s)
@@ -78,19 +79,42 @@ def _backends(env: Any, probe_torch: bool) -> dict[str, Any]:
                                     "`cpuddp doctor --torch` imports torch and checks)"})
         else:
             items.append(_plain(backends.backend_status(name)))
-    out: dict[str, Any] = {"available": True, "backends": items, "torch_probed": not light}
     from cpuddp.backends.shm import native  # ctypes only: no torch
 
-    out["shm_data_path"] = native.status()[1]
-    if env is not None:
-        from cpuddp.topology.here import allowed_cpus
+    native_ok, path = native.status()
+    for item in items:
+        if item.get("name") == "shm":
+            item.update(native=native_ok, data_path=path)
+    return {"available": True, "backends": items, "torch_probed": not light}
 
-        try:
-            out["auto"] = _plain(backends.resolve_backend("auto", env, node_cpus=len(allowed_cpus()) or None,
-                                                          probe_torch=not light))
-        except Exception as e:
-            out["auto"] = {"error": f"{type(e).__name__}: {e}"}
-    return out
+
+def _light(probe_torch: bool) -> bool:
+    """Whether torch stays unimported (no ``--torch``, and nothing imported it already)."""
+    return not probe_torch and "torch" not in sys.modules
+
+
+def auto_for(env: Any, node_cpus: Optional[int], probe_torch: bool, job: str) -> dict[str, Any]:
+    """What ``backend="auto"`` picks for ``env`` on ``node_cpus`` CPUs: the rule init applies
+    (:func:`cpuddp.backends.registry.resolve_backend`), as plain data with ``for``: the job it
+    is for, in words (``job``); ``{"error": ..., "for": ...}`` when the question fails."""
+    from cpuddp.backends import registry as backends
+
+    try:
+        choice = _plain(backends.resolve_backend("auto", env, node_cpus=node_cpus or None,
+                                                 probe_torch=not _light(probe_torch)))
+    except Exception as e:  # a backend question must not hide the rest of the report
+        choice = {"error": f"{type(e).__name__}: {e}"}
+    return dict(choice, **{"for": job})
+
+
+def _launcher_auto(env: Any, probe_torch: bool) -> Optional[dict[str, Any]]:
+    """:func:`auto_for` the job the launcher describes (its ranks on this node, this process's CPUs)."""
+    if env is None:
+        return None
+    from cpuddp.topology.here import allowed_cpus
+
+    return auto_for(env, len(allowed_cpus()), probe_torch,
+                    f"this job ({env.local_world_size} rank(s) on this node, {env.num_nodes} node(s))")
 
 
 def _ccl_verdict(backends: Any) -> Optional[dict[str, Any]]:
@@ -246,10 +270,10 @@ def _resolve_host(timeout: float = 0.5) -> dict[str, Any]:
 def _job(topo: Any, environ: Mapping[str, str], ranks: Optional[int], probe_torch: bool) -> dict[str, Any]:
     """What a job of ``ranks`` ranks (default: ``cpuddp run``'s choice) would get on this node:
     ``cpuddp run``'s plan (:func:`cpuddp.affinity.job.plan_run`) and the backend ``"auto"``
-    would pick for it.  For ``cpuddp doctor`` run from a shell, where this process is no job."""
+    would pick for it (``backend``; also for ``--ranks N`` that cannot run here: auto's answer
+    for N ranks on this node).  For ``cpuddp doctor`` run from a shell, where this process is
+    no job."""
     from cpuddp.affinity.job import RunPlanError, plan_run, plan_table
-    from cpuddp.backends import registry as backends
-    from cpuddp.launchers.env import DistEnv
 
     if topo is None:
         return {"available": False, "error": "no CPU topology (see the CPU section)"}
@@ -257,17 +281,20 @@ def _job(topo: Any, environ: Mapping[str, str], ranks: Optional[int], probe_torc
         plan = plan_run(topo, ranks_per_node=ranks, ranks_source="--ranks",
                         omp_num_threads=environ.get("OMP_NUM_THREADS"))
     except RunPlanError as exc:
-        return {"available": False, "error": exc.msg, "fix": (exc.fix or "").replace("--ranks-per-node", "--ranks"),
-                "ranks": ranks}
-    env = DistEnv(world_size=plan.world_size, local_world_size=plan.ranks_per_node, launcher="torchrun",
-                  agent_store=True)
-    out: dict[str, Any] = {"available": True, "ranks": ranks, "plan": plan.as_dict(),
-                           "table": plan_table(plan, [here.hostname()]),
-                           "command": "cpuddp run " + (f"--ranks-per-node {ranks} " if ranks else "") + "script.py"}
-    try:
-        choice = backends.resolve_backend("auto", env, node_cpus=len(topo.usable) or None,
-                                          probe_torch=probe_torch or "torch" in sys.modules)
-        out["backend"] = {"name": choice.name, "reason": choice.reason}
-    except Exception as e:  # a backend question must not hide the plan
-        out["backend"] = {"error": f"{type(e).__name__}: {e}"}
-    return out
+        out = {"available": False, "error": exc.msg, "fix": (exc.fix or "").replace("--ranks-per-node", "--ranks"),
+               "ranks": ranks}
+        if ranks:
+            out["backend"] = _job_backend(ranks, topo, probe_torch)
+        return out
+    return {"available": True, "ranks": ranks, "plan": plan.as_dict(),
+            "table": plan_table(plan, [here.hostname()]),
+            "command": "cpuddp run " + (f"--ranks-per-node {ranks} " if ranks else "") + "script.py",
+            "backend": _job_backend(plan.ranks_per_node, topo, probe_torch)}
+
+
+def _job_backend(ranks: int, topo: Any, probe_torch: bool) -> dict[str, Any]:
+    """:func:`auto_for` a one-node job of ``ranks`` ranks on this node's usable CPUs."""
+    from cpuddp.launchers.env import DistEnv
+
+    env = DistEnv(world_size=ranks, local_world_size=ranks, launcher="torchrun", agent_store=True)
+    return auto_for(env, len(topo.usable), probe_torch, f"a job of {ranks} rank(s) on this node")

@@ -61,6 +61,7 @@ from .collect import (
     _gloo_ifname,
     _job,
     _launcher,
+    _launcher_auto,
     _plans,
     _resolve_host,
     _section,
@@ -112,7 +113,9 @@ def collect(environ: Optional[Mapping[str, str]] = None, *, root: str = "/", pro
     """Everything ``cpuddp doctor`` reports, as plain data (reads only).
 
     Imports no torch unless ``probe_torch`` (then torch's backends and CPU probes are checked
-    too, at about 2 s).
+    too, at about 2 s).  ``view``: the one job the report is about -- ``"job"`` (from a shell,
+    or with ``ranks``: the plan ``cpuddp run`` would use) or ``"launcher"`` (the launcher's);
+    ``backends.auto`` is ``"auto"``'s answer for that job, its ``for`` saying which.
     """
     t0 = time.perf_counter()
     environ = dict(os.environ if environ is None else environ)
@@ -122,7 +125,7 @@ def collect(environ: Optional[Mapping[str, str]] = None, *, root: str = "/", pro
     report["launcher"] = launcher
     versions = _section(_versions)
     report["versions"] = versions
-    backends = _section(lambda: _backends(env, probe_torch))
+    backends = _section(lambda: _backends(probe_torch))
     report["backends"] = backends
     if isinstance(versions, dict) and versions.get("oneccl_bind_pt"):
         versions["oneccl_bind_pt_verdict"] = _ccl_verdict(backends)
@@ -132,11 +135,18 @@ def collect(environ: Optional[Mapping[str, str]] = None, *, root: str = "/", pro
     cpu, topo = cpu if isinstance(cpu, tuple) else (cpu, None)
     report["cpu"] = cpu
     report["threads"] = {k: environ.get(k) for k in _THREAD_VARS}
-    auto = backends.get("auto") if isinstance(backends, dict) else None
-    chosen = auto if isinstance(auto, dict) and "name" in auto else None
+    ours = _section(lambda: _launcher_auto(env, probe_torch))
+    chosen = ours if isinstance(ours, dict) and "name" in ours else None
     report["pinning"] = _section(lambda: _plans(env, topo, environ, chosen))
+    job = None
     if env is None or (env.launcher == "none" and env.world_size == 1) or ranks is not None:
-        report["job"] = _section(lambda: _job(topo, environ, ranks, probe_torch))
+        job = report["job"] = _section(lambda: _job(topo, environ, ranks, probe_torch))
+    report["view"] = "job" if job is not None and (ranks is not None or env is not None) else "launcher"
+    if isinstance(backends, dict) and backends.get("available", True):
+        # one "auto" for the whole report: the job it shows (--ranks N, or cpuddp run's plan), else the launcher's
+        mine = job.get("backend") if report["view"] == "job" and isinstance(job, dict) else ours
+        if mine is not None:
+            backends["auto"] = mine
     report["host"] = _resolve_host()
     report["network"] = _section(lambda: _gloo_ifname(env, environ))
     report["warnings"] = _warnings(report, environ)

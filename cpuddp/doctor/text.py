@@ -35,7 +35,8 @@ def format_text(report: Mapping[str, Any]) -> str:
     if report.get("torch") is not None:
         add("")
         _torch(report, add)
-    shell = report.get("job") is not None and (report.get("launcher") or {}).get("name") == "none"
+    shell = report.get("view") == "job" if "view" in report else (
+        report.get("job") is not None and (report.get("launcher") or {}).get("name") == "none")
     for section in (_threads, _job if shell else _pinning, _host, _warnings):
         add("")
         section(report, add)
@@ -90,33 +91,49 @@ def _versions(report: Mapping[str, Any], add: Callable[[str], None]) -> None:
 
 
 def _backends(report: Mapping[str, Any], add: Callable[[str], None]) -> None:
-    """Every registered backend, and what "auto" picks."""
+    """Every registered backend (shm's line names its data path), and what "auto" picks for the
+    job the report is about (the one its plan below is for)."""
     add("Backends")
     b = report.get("backends") or {}
     if _na(b):
         add(f"  {_na(b)}")
-    else:
-        for item in b.get("backends", []):
-            if isinstance(item, dict):
-                ok = item.get("available")
-                ver = item.get("version")
-                mark = "yes" if ok else ("?  " if ok is None else "no ")
-                add(f"  [{mark}] {item.get('name', '?')}" + (f" {ver}" if ver else "")
-                    + (f": {item['reason']}" if item.get("reason") else ""))
-            else:
-                add(f"  {item}")
-        auto = b.get("auto")
-        if isinstance(auto, dict):
-            if "error" in auto:
-                add(f"  auto -> error: {auto['error']}")
-            else:
-                leg = f", between nodes {auto['inter']}" if auto.get("inter") else ""
-                add(f"  auto -> {auto.get('name')}{leg}" + (f" ({auto['reason']})" if auto.get("reason") else ""))
-            from cpuddp.backends.auto import RULE
+        return
+    for item in b.get("backends", []):
+        if isinstance(item, dict):
+            ok = item.get("available")
+            ver = item.get("version")
+            mark = "yes" if ok else ("?  " if ok is None else "no ")
+            why = "; ".join(filter(None, (item.get("reason"), _data_path(item))))
+            add(f"  [{mark}] {item.get('name', '?')}" + (f" {ver}" if ver else "") + (f": {why}" if why else ""))
+        else:
+            add(f"  {item}")
+    auto = b.get("auto")
+    if isinstance(auto, dict):
+        who = f" for {auto['for']}" if auto.get("for") else ""
+        if "error" in auto:
+            add(f"  auto{who} -> error: {auto['error']}")
+        else:
+            leg = f", between nodes {auto['inter']}" if auto.get("inter") else ""
+            add(f"  auto{who} -> {auto.get('name')}{leg}" + (f" ({auto['reason']})" if auto.get("reason") else ""))
+        from cpuddp.backends.auto import RULE
 
-            add(f"  auto's rule: {RULE}")
-        if b.get("shm_data_path"):
-            add(f"  shm data path: {b['shm_data_path']}")
+        add(f"  auto's rule: {RULE}")
+
+
+def _data_path(item: Mapping[str, Any]) -> str:
+    """``data path native (avx2)``, ``data path python (<why>)``: which data path a backend's
+    group would take here, in :func:`cpuddp.backends.shm.native.status`'s words; "" for a
+    backend that has one (gloo: its own)."""
+    return f"data path {item['data_path']}" if item.get("data_path") else ""
+
+
+def _backend_words(report: Mapping[str, Any], name: Optional[str]) -> str:
+    """``shm, data path native (avx2)``: a backend's name with its data path (shm's), as the
+    Backends section shows it -- the words a job's header line says too."""
+    items = (report.get("backends") or {}).get("backends") or []
+    item = next((i for i in items if isinstance(i, Mapping) and i.get("name") == name), None)
+    path = _data_path(item) if item is not None else ""
+    return f"{name}, {path}" if path else str(name)
 
 
 def _cpu(report: Mapping[str, Any], add: Callable[[str], None]) -> None:
@@ -166,8 +183,8 @@ def _pinning(report: Mapping[str, Any], add: Callable[[str], None]) -> None:
     exports and reason (the other ranks' differ only in their CPUs and thread counts)."""
     p = report.get("pinning") or {}
     items = [i for i in p.get("plans", []) if isinstance(i.get("plan"), Mapping)] if not _na(p) else []
-    add(f"Pinning plan: {len(items)} local rank(s) of this node" + (f", backend {p['backend']}" if p.get("backend")
-                                                                     else ""))
+    add(f"Pinning plan: {len(items)} local rank(s) of this node"
+        + (f", backend {_backend_words(report, p['backend'])}" if p.get("backend") else ""))
     if _na(p):
         add(f"  {_na(p)}")
         return
@@ -196,7 +213,8 @@ def _job(report: Mapping[str, Any], add: Callable[[str], None]) -> None:
     for line in str(j.get("table", "")).splitlines():
         add(f"  {line}")
     b = j.get("backend") or {}
-    add(f"  backend: auto -> {b['name']} ({b.get('reason')})" if b.get("name") else f"  backend: {b.get('error')}")
+    add(f"  backend: {_backend_words(report, b['name'])}; auto's choice, why: see Backends above" if b.get("name")
+        else f"  backend: {b.get('error')}")
     add(f"  launch it: {j.get('command')}  (--dry-run prints the exact command)")
 
 

@@ -163,7 +163,7 @@ class DistEnv:
         """True when there is more than one rank."""
         return self.world_size > 1
 
-    # -- deprecated: the session's, forwarded for one release -------------------------------
+    # -- deprecated: fields of Session, forwarded for one release ----------------------------
 
     @property
     def backend(self) -> Optional[str]:

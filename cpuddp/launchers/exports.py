@@ -18,12 +18,16 @@ from typing import Mapping, MutableMapping, Optional, Union
 
 from cpuddp.errors import LauncherEnvError
 
-__all__ = ["Exports", "timeout_from", "configure_logging", "DEFAULT_TIMEOUT", "Timeout"]
+__all__ = ["Exports", "timeout_from", "configure_logging", "DEFAULT_TIMEOUT", "NOTICE_AFTER", "Timeout"]
 
 log = logging.getLogger("cpuddp")
 
 #: Default bound, in seconds, on the rendezvous and on every collective.
 DEFAULT_TIMEOUT = 300.0
+
+#: Seconds a rank waits -- for its peers in an exchange, for the job's store -- before it says
+#: what it waits for, where, and for how long (once): no rank is silent for the whole timeout.
+NOTICE_AFTER = 5.0
 
 Timeout = Union[float, int, datetime.timedelta]
 

@@ -26,13 +26,14 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 from cpuddp.errors import RendezvousError
 from cpuddp.topology.here import allowed_cpus, host_identity, hostname_of, pid_namespace
 
 from . import store_values
 from .env import DistEnv, Provenance, Source
+from .exports import NOTICE_AFTER
 
 log = logging.getLogger("cpuddp")
 
@@ -40,6 +41,8 @@ __all__ = [
     "HostRecord",
     "Layout",
     "exchange",
+    "Share",
+    "sharing",
     "publish_error",
     "gather_hosts",
     "parse_record",
@@ -259,8 +262,22 @@ def exchange(store: Any, name: str, rank: int, world_size: int, value: str,
     return values
 
 
-#: seconds a rank waits for the others in an exchange before it says whom it waits for (once)
-NOTICE_AFTER = 5.0
+#: ``share(name, value, what)``: this rank's :func:`exchange` with its place in the job, the store and
+#: the timeout bound -- every rank's value of exchange ``name`` in rank order (``what`` names the
+#: exchange in errors).
+Share = Callable[[str, str, str], List[str]]
+
+
+def sharing(store: Any, rank: int, world_size: int, timeout: datetime.timedelta) -> Optional[Share]:
+    """:func:`exchange` over ``store`` for this rank of this job, as one callable (None without a
+    store: a world of one): what the backend's agreement is handed (it never sees the store)."""
+    if store is None:
+        return None
+
+    def share(name: str, value: str, what: str) -> list[str]:
+        return exchange(store, name, rank, world_size, value, timeout, what=what)
+
+    return share
 
 
 def _wait_all(store: Any, keys: Sequence[str], timeout: datetime.timedelta, rank: int, what: str) -> None:

@@ -10,7 +10,9 @@ fits its cause.  The store carries a job key (from the launcher's job id), so a 
 reaches another job's store fails with a clear error instead of joining it.  The key also
 names the process's init (``init_distributed`` -> ``shutdown`` -> ``init_distributed``): a
 rank that re-joins faster than rank 0 tears down the previous init's store reaches that
-store, sees the older init, and dials again until rank 0's new store answers.
+store, sees the older init, and dials again until rank 0's new store answers.  A rank that
+finds nothing listening says so after :data:`~cpuddp.launchers.exports.NOTICE_AFTER` seconds,
+once (where it dials, whose store it waits for, the fix), as rank 0 says whom it waits for.
 
 IPv6: ``MASTER_ADDR`` may be an IPv6 address or a name that resolves to one (``localhost``
 resolves to ``::1`` first on many Debian and RHEL hosts); the socket takes the family of
@@ -24,19 +26,24 @@ import datetime
 import errno
 import hashlib
 import os
+import logging
 import socket
 import time
-from typing import Any, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from cpuddp.errors import LauncherEnvError, RendezvousError, first_line
 from cpuddp.topology import here
 
+from . import exports
 from .env import DistEnv
+from .mpi import start, world_mismatch
 from .parsers import is_loopback
 from .registry import LAUNCHER_NAMES
 from .store_values import job_key_value, shown
 
 __all__ = ["Rendezvous", "open_store", "local_address", "mpi_master_addr", "job_key", "JOB_KEY"]
+
+log = logging.getLogger("cpuddp")
 
 #: The key under which rank 0's own store names its job (read back with
 #: :func:`cpuddp.launchers.store_values.job_key_value`: printable text, at most 1024 characters).
@@ -151,9 +158,10 @@ def _join_job(env: DistEnv, key: str, generation: int, td: datetime.timedelta) -
     addr, port = env.master_addr, env.master_port
     deadline = time.monotonic() + td.total_seconds()
     theirs: Optional[str] = None
+    late = _late_notice(env, td)  # one notice, however often this rank dials
     while True:
         left = datetime.timedelta(seconds=max(1.0, deadline - time.monotonic()))
-        store = _connect(env, left)
+        store = _connect(env, left, late)
         theirs = _job_of(store, addr, port, left)
         if _is_ours(env, theirs, key, generation):
             return store
@@ -200,24 +208,57 @@ def _job_of(store: Any, addr: str, port: int, td: datetime.timedelta) -> Optiona
     return job_key_value(f"{JOB_KEY} (at {addr}:{port})", raw)
 
 
-def _connect(env: DistEnv, td: datetime.timedelta) -> Any:
+def _connect(env: DistEnv, td: datetime.timedelta, late: Optional[Callable[[], None]] = None) -> Any:
+    """A client of the job's store (rank 0's, or the launcher's agent's); ``late``: called while
+    this rank waits for it (:func:`_late_notice`; one of its own when None)."""
     addr, port = env.master_addr, env.master_port
     _resolve(addr, port)
     try:
-        _wait_listening(addr, port, td.total_seconds())
+        _wait_listening(addr, port, td.total_seconds(), late or _late_notice(env, td))
         return _tcp_store(addr, port, env.world_size, False, td, None)
     except Exception as exc:  # torch raises DistStoreError / RuntimeError
         raise RendezvousError(
-            f"rank {env.rank} could not reach rank 0's store at {addr}:{port} within "
+            f"rank {env.rank} could not reach {_host_of_store(env)} at {addr}:{port} within "
             f"{td.total_seconds():.0f} s ({type(exc).__name__}: {first_line(exc)})",
-            fix="check that rank 0 started and that MASTER_ADDR/MASTER_PORT point at it "
-            f"(launcher: {LAUNCHER_NAMES.get(env.launcher, env.launcher)}); a firewall between nodes also causes this",
+            fix=_reach_fix(env),
         ) from None
 
 
-def _wait_listening(addr: str, port: int, seconds: float) -> None:
+def _host_of_store(env: DistEnv) -> str:
+    """Whose store a rank dials: rank 0's, or the launcher's (torchrun's agent hosts it)."""
+    return "the launcher's store (its agent hosts it)" if env.agent_store else "rank 0's store"
+
+
+def _reach_fix(env: DistEnv) -> str:
+    """The fix for a rank that cannot reach the job's store: said after a few seconds, and in the error."""
+    who = "the launcher's agent" if env.agent_store else "rank 0"
+    return (f"check that {who} started and that MASTER_ADDR/MASTER_PORT point at it (launcher: "
+            f"{LAUNCHER_NAMES.get(env.launcher, env.launcher)}); a firewall between nodes also causes this")
+
+
+def _late_notice(env: DistEnv, td: datetime.timedelta) -> Callable[[], None]:
+    """What a rank waiting for the job's store calls as it waits: after
+    :data:`cpuddp.launchers.exports.NOTICE_AFTER` seconds it logs one warning -- the address it
+    dials, what it waits for, for how long, and the fix -- as rank 0 says whom it waits for;
+    never again after that (the error at the end of ``td`` says the rest)."""
+    start = time.monotonic()
+    said: list[bool] = []
+
+    def late() -> None:
+        if said or time.monotonic() - start < exports.NOTICE_AFTER or td.total_seconds() <= exports.NOTICE_AFTER:
+            return
+        said.append(True)
+        log.warning("cpuddp: rank %d waiting for %s at %s:%d (nothing there has answered yet), up to %.0f s "
+                    "(CPUDDP_TIMEOUT); fix: %s", env.rank, _host_of_store(env), env.master_addr, env.master_port,
+                    td.total_seconds(), _reach_fix(env))
+
+    return late
+
+
+def _wait_listening(addr: str, port: int, seconds: float, late: Callable[[], None] = lambda: None) -> None:
     """Return once ``addr:port`` accepts a TCP connection; TimeoutError after ``seconds``.
-    (A bare connect and close: the store's server ignores it.)"""
+    (A bare connect and close: the store's server ignores it.)  ``late`` is called after each
+    failed try."""
     deadline = time.monotonic() + seconds
     while True:
         left = deadline - time.monotonic()
@@ -227,6 +268,7 @@ def _wait_listening(addr: str, port: int, seconds: float) -> None:
         except OSError as exc:
             if left <= 0.1:
                 raise TimeoutError(f"nothing accepted a connection at {addr}:{port} ({exc.strerror or exc})") from None
+            late()
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
@@ -284,13 +326,20 @@ def mpi_master_addr(env: DistEnv) -> str:
         "`mpiexec -genv MASTER_ADDR $(hostname -I | cut -d' ' -f1) ...`; Open MPI: "
         "`mpirun -x MASTER_ADDR=... ...`), or `pip install cpuddp[mpi]` so cpuddp can ask rank 0 over MPI"
     )
+
+    def unset(why: str) -> LauncherEnvError:
+        return LauncherEnvError(f"this is a {env.num_nodes}-node {name} job and MASTER_ADDR is not set{why}",
+                                variable="MASTER_ADDR", value=None, launcher=name, fix=fix)
+
     try:
-        from mpi4py import MPI  # lazy: importing mpi4py initializes MPI
+        MPI = start()  # every rank of an MPI launcher's multi-node job without MASTER_ADDR comes here
     except ImportError:
-        raise LauncherEnvError(
-            f"this is a {env.num_nodes}-node {name} job and MASTER_ADDR is not set",
-            variable="MASTER_ADDR", value=None, launcher=name, fix=fix,
-        ) from None
+        raise unset("") from None
+    except RuntimeError as exc:  # mpi4py found no MPI library
+        raise unset(f" (and mpi4py cannot ask rank 0: {str(exc).splitlines()[0]})") from None
+    other = world_mismatch(MPI, env)
+    if other is not None:  # each rank would take its own address: a job split in worlds of one
+        raise unset(f" (and mpi4py cannot ask rank 0: {other})")
     comm = MPI.COMM_WORLD
     addr = local_address() if comm.Get_rank() == 0 else None
     addr = comm.bcast(addr, root=0)

@@ -31,6 +31,8 @@ import sys
 import time
 from typing import Any, Mapping, Optional
 
+from .mpi import abort_at_exit
+
 __all__ = ["REPORT_DIR_ENV", "ERROR_FILE_ENV", "install", "print_whole", "write_whole", "record_failure",
            "note_checkpoint", "read_reports", "ending", "report_dir"]
 
@@ -81,7 +83,9 @@ def print_whole(exc_type: type, exc: BaseException, tb: Any) -> None:
 def install() -> None:
     """Record uncaught exceptions (:func:`record_failure`) and print them whole
     (:func:`print_whole`): the base of ``sys.excepthook`` where Python's own is there; an
-    excepthook someone else set is wrapped, so it still runs.  Idempotent."""
+    excepthook someone else set is wrapped, so it still runs.  Where MPI was started, the process
+    then ends with ``MPI_Abort`` (:func:`cpuddp.launchers.mpi.abort_at_exit`), as ``python -m
+    mpi4py`` does.  Idempotent."""
     current = sys.excepthook
     if getattr(current, "_cpuddp_report", False):
         return
@@ -90,6 +94,7 @@ def install() -> None:
     def hook(exc_type: type, exc: BaseException, tb: Any) -> None:
         record_failure(exc_type, exc)
         printer(exc_type, exc, tb)
+        abort_at_exit(1)  # where MPI started: end with MPI_Abort, not in an MPI_Finalize that waits for peers
 
     hook._cpuddp_report = True  # type: ignore[attr-defined]
     sys.excepthook = hook

@@ -146,7 +146,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     sys.argv = argv
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     report.install()
-    ignore_numpy_warning()  # torchrun's process, which started this one, has said it (issue 46)
+    ignore_numpy_warning()  # torchrun's process, which started this one, has said it
     run_script(script, quiet_interrupt=report.report_dir() is not None)
 
 

@@ -158,6 +158,14 @@ def _abort_shared_memory() -> None:
         abort_all("this rank raised an uncaught exception")
 
 
+def _watch(check: Optional[Callable[[], Optional[str]]]) -> None:
+    """Hand the backends' long waits this watchdog's lost-rank check (None: take it back)."""
+    from cpuddp.backends.registry import watch_all
+
+    with contextlib.suppress(Exception):
+        watch_all(check)
+
+
 def _bounded(fn: Callable[[], None], limit: float) -> None:
     """Run ``fn`` on a daemon thread for at most ``limit`` s; its exceptions are dropped."""
 
@@ -193,6 +201,7 @@ class _Watchdog:
         self.failed_here = False  # an uncaught exception is ending this rank
         self.known: dict[int, PeerInfo] = {}
         self.malformed: Optional[str] = None  # a watchdog key holds what no rank of this job wrote
+        self.clock = HeartbeatClock()  # the peers' heartbeats as :meth:`lost_now` saw them
 
     def store_reachable(self) -> bool:
         """False once the store is known lost; then no more heartbeats into it (torch would log
@@ -216,6 +225,7 @@ class _Watchdog:
         self.thread = threading.Thread(target=self._beat, name="cpuddp-watchdog", daemon=True)
         self.thread.start()
         self._install_hooks()
+        _watch(self.lost_now)
         global _atexit_registered
         if not _atexit_registered:
             import atexit
@@ -246,6 +256,7 @@ class _Watchdog:
                 return
 
     def end(self, timeout: float) -> None:
+        _watch(None)
         self.stopping.set()
         if self.thread is not None:
             self.thread.join(timeout)
@@ -369,6 +380,25 @@ class _Watchdog:
             self._lose_store(exc)
             self.stopping.set()
             return self._store_gone()
+
+    def lost_now(self) -> Optional[str]:
+        """A rank of the job known lost now, in the verdict's words (None: none): what a long
+        wait of a backend asks every second (the MPI leg's).  A few store reads; a peer counts as
+        silent once :meth:`lost_now` has seen its heartbeat stand still for :attr:`stale` s."""
+        if self.stopping.is_set() or not self.store_reachable():
+            return self._store_gone() if self.store_lost is not None else None
+        try:
+            snap = self._snapshot()
+            now = time.monotonic()
+            watch = ranks_to_watch(snap, True)
+            if watch:
+                self.clock.observe(self.store.counters(watch), now)
+                silent = {r: (self.clock.seen[r][0],) * 2 for r in watch if now - self.clock.seen[r][1] >= self.stale}
+                snap = dataclasses.replace(snap, heartbeats=silent, watched=self.stale)
+            v = decide(snap, True)
+        except Exception:  # the check is an aid: a failed read is no verdict
+            return None
+        return v.message if v is not None else None
 
     def _snapshot(self) -> Snapshot:
         failed = self.store.failed()

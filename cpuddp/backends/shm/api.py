@@ -17,13 +17,14 @@ from __future__ import annotations
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple
 
-__all__ = ["ShmOptions", "leave_all", "abort_all", "track", "INTER_VAR", "LEGS", "user_leg"]
+__all__ = ["ShmOptions", "leave_all", "abort_all", "track", "watch_lost", "lost", "INTER_VAR", "LEGS", "user_leg"]
 
 INTER_VAR = "CPUDDP_SHM_INTER"
-#: The backends that can carry the node-to-node leg (each forms a group with ``create_group``).
-LEGS = ("gloo", "ccl")
+#: The node-to-node legs: gloo and oneCCL (their backend objects form the groups, with
+#: ``create_group``) and MPI through mpi4py (:mod:`cpuddp.backends.shm.cross.legs`).
+LEGS = ("gloo", "ccl", "mpi")
 
 #: The live groups of this process (each has ``leave()`` and ``abort_peers(why)``).
 _groups: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -31,7 +32,9 @@ _groups: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 @dataclass(frozen=True)
 class ShmOptions:
-    """A shm group's options.  ``inter``: the node-to-node leg (``"gloo"`` or ``"ccl"``);
+    """A shm group's options.  ``inter``: the node-to-node leg (``"gloo"``, ``"ccl"`` or ``"mpi"``);
+    ``require_leg``: the user named the leg (``CPUDDP_SHM_INTER``): a leg that cannot form is an
+    error, not gloo;
     ``async_comm``: this rank has a CPU its compute threads leave free, so large collectives
     may run on a communication thread (None: no); ``local_size``: the ranks on this node as the
     launcher said (None: unknown), a floor for what the store may claim; ``cpus``: this rank's
@@ -40,6 +43,7 @@ class ShmOptions:
     (:mod:`cpuddp.backends.shm.python.levels`); None: the forming thread's own CPUs."""
 
     inter: str = "gloo"
+    require_leg: bool = False
     async_comm: Optional[bool] = None
     local_size: Optional[int] = None
     cpus: Optional[Tuple[int, ...]] = None
@@ -49,16 +53,20 @@ class ShmOptions:
             from cpuddp.errors import BackendError
 
             raise BackendError(f"the shm group's node-to-node leg {self.inter!r} is not one of {', '.join(LEGS)}",
-                               fix=f"set {INTER_VAR}=gloo or {INTER_VAR}=ccl (or ShmOptions(inter=...)), or unset it")
+                               fix=f"set {INTER_VAR} to one of {', '.join(LEGS)} (or ShmOptions(inter=...)), or unset it")
 
     @classmethod
     def from_environ(cls, size: int, environ: Mapping[str, str] = os.environ) -> "ShmOptions":
-        """The options of a group made without them (plain ``init_process_group("shm")``)."""
-        inter = user_leg(environ) or LEGS[0]
+        """The options of a group made without them (plain ``init_process_group("shm")``, and the
+        subgroups torch makes with ``new_group``): the leg the user set, else the one of this
+        process's live world group (a subgroup keeps its job's leg), else gloo."""
+        leg = user_leg(environ)
+        inter = leg or (_world_leg[0] if _world_leg else LEGS[0])
         local = environ.get("LOCAL_WORLD_SIZE", "")
         world = environ.get("WORLD_SIZE", "")
         spans_world = world.strip().isdigit() and int(world) == size
-        return cls(inter=inter, local_size=int(local) if local.strip().isdigit() and spans_world else None)
+        return cls(inter=inter, require_leg=leg is not None,
+                   local_size=int(local) if local.strip().isdigit() and spans_world else None)
 
 
 def user_leg(environ: Mapping[str, str]) -> Optional[str]:
@@ -72,12 +80,38 @@ def user_leg(environ: Mapping[str, str]) -> Optional[str]:
         from cpuddp.errors import BackendError
 
         raise BackendError(f"{INTER_VAR}={raw!r}: the shm group's node-to-node leg is one of {', '.join(LEGS)}",
-                           fix=f"set {INTER_VAR}=gloo or {INTER_VAR}=ccl, or unset it (the rule then picks)")
+                           fix=f"set {INTER_VAR} to one of {', '.join(LEGS)}, or unset it (the rule then picks)")
     return leg
 
 
-def track(group: Any) -> None:
+#: The node-to-node leg of this process's live world group, for the groups made without options.
+_world_leg: list = []
+
+
+def track(group: Any, world_leg: Optional[str] = None) -> None:
+    """Keep ``group`` for :func:`leave_all`/:func:`abort_all`; ``world_leg``: its leg, when it is
+    the job's world group (the subgroups made later keep it)."""
     _groups.add(group)
+    if world_leg is not None:
+        _world_leg[:] = [world_leg]
+
+
+#: The lost-rank check a long wait asks (the watchdog's, while it runs): ``check() -> text or None``.
+_lost_check: list = []
+
+
+def watch_lost(check: Optional[Callable[[], Optional[str]]]) -> None:
+    """Register the check a long wait of the node-to-node leg asks every second (None: none)."""
+    _lost_check[:] = [check] if check is not None else []
+
+
+def lost() -> Optional[str]:
+    """The registered check's answer: a rank of the job known lost, in words, or None."""
+    for check in list(_lost_check):
+        said = check()
+        if said:
+            return said
+    return None
 
 
 def leave_all() -> None:

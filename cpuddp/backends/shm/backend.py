@@ -20,13 +20,12 @@ Environment variables read: ``CPUDDP_SHM_INTER`` (:meth:`ShmBackend.with_user_se
 
 from __future__ import annotations
 
-import dataclasses
-import datetime
 import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Tuple
 
 from cpuddp.errors import BackendError
-from cpuddp.launchers import hosts, store_values
+from cpuddp.launchers import store_values
 
 from ..auto import inter_leg
 from ..types import BACKENDS, BackendChoice, BackendName, BackendSpec, BackendStatus, Lookups
@@ -35,6 +34,7 @@ from .api import INTER_VAR, LEGS, ShmOptions, user_leg
 
 if TYPE_CHECKING:  # pragma: no cover
     from cpuddp.launchers.env import DistEnv
+    from cpuddp.launchers.hosts import Share
 
 
 __all__ = ["ShmBackend", "shm_options"]
@@ -53,13 +53,17 @@ class ShmBackend(BackendSpec):
     averages_in_reduce_scatter = False
 
     def named_choice(self, st: BackendStatus, env: "DistEnv", lk: Lookups) -> BackendChoice:
-        return dataclasses.replace(super().named_choice(st, env, lk), inter=self.rule_leg(env, lk))
+        return replace(super().named_choice(st, env, lk), inter=self.rule_leg(env, lk))
 
     def rule_leg(self, env: "DistEnv", lk: Lookups) -> Optional[str]:
         """The node-to-node leg by the rule (None on one node): the same rule as auto's."""
-        ccl = BACKENDS.get(BackendName.CCL)
+        if env.num_nodes <= 1:
+            return None
+        ccl, mpi = BACKENDS.get(BackendName.CCL), BACKENDS.get(BackendName.MPI)
         st = ccl.status(lk) if ccl is not None else None
-        return inter_leg(env.num_nodes, bool(st and st.available), st.reason if st else "")[0]
+        mst = mpi.leg_status(env, lk) if mpi is not None else None
+        return inter_leg(env.num_nodes, bool(st and st.available), st.reason if st else "",
+                         bool(mst and mst.available), mst.reason if mst else "")[0]
 
     def auto_status(self, env: "DistEnv", lk: Lookups, node_cpus: Optional[int],
                     smallest_node: Optional[int]) -> BackendStatus:
@@ -67,7 +71,8 @@ class ShmBackend(BackendSpec):
         ok, reason = check.eligibility(env.local_world_size, lk.environ, node_cpus=node_cpus)
         if ok and smallest_node is not None and smallest_node < 2:
             ok, reason = False, (f"a node of this job runs {smallest_node} rank: auto takes shared memory only where "
-                                 "every node runs 2 or more (backend='shm' runs such a layout, over gloo)")
+                                 "every node runs 2 or more (backend='shm' runs such a layout over its leg: MPI where "
+                                 "it can run, else gloo)")
         return BackendStatus(self.name, ok, reason, module=self.module)
 
     def with_user_settings(self, choice: BackendChoice, environ: Mapping[str, str]) -> BackendChoice:
@@ -80,10 +85,9 @@ class ShmBackend(BackendSpec):
         if choice.inter is not None and leg != choice.inter:
             log.info("cpuddp: %s=%s is your setting and is kept (the rule would take %s between nodes)",
                      INTER_VAR, environ.get(INTER_VAR), choice.inter)
-        return dataclasses.replace(choice, inter=leg, inter_set=True)
+        return replace(choice, inter=leg, inter_set=True)
 
-    def agree(self, choice: BackendChoice, env: "DistEnv", store: Any, key: str,
-              td: datetime.timedelta) -> BackendChoice:
+    def agree(self, choice: BackendChoice, env: "DistEnv", share: "Share", key: str) -> BackendChoice:
         """The node-to-node leg every rank forms (exchange ``key/inter``): oneCCL only when every
         rank has working bindings, else gloo (a warning names each rank's leg); where some rank
         set the leg itself (``CPUDDP_SHM_INTER``) and the legs differ, an error naming each rank's.
@@ -92,7 +96,7 @@ class ShmBackend(BackendSpec):
         if choice.inter is None:  # one node: no leg
             return choice
         mine = choice.inter + (_SET if choice.inter_set else "")
-        said = hosts.exchange(store, f"{key}/inter", env.rank, env.world_size, mine, td, what="backend")
+        said = share(f"{key}/inter", mine, "backend")
         said = [store_values.backend_name(f"{key}/inter/{r}", n) for r, n in enumerate(said)]
         legs = [n[:-len(_SET)] if n.endswith(_SET) else n for n in said]
         if len(set(legs)) == 1:
@@ -100,10 +104,10 @@ class ShmBackend(BackendSpec):
         if any(n.endswith(_SET) for n in said):
             _legs_differ(env.rank, legs, said)
         if env.is_main:
-            log.warning("cpuddp: between nodes gloo, not %s: not every rank has working oneCCL bindings (%s)",
+            log.warning("cpuddp: between nodes gloo, not %s: not every rank can take it (%s)",
                         choice.inter, ", ".join(f"rank {r}: {n}" for r, n in enumerate(legs) if n != choice.inter)[:400])
-        return dataclasses.replace(choice, inter=LEGS[0], reason=f"{choice.reason}; between nodes gloo after all: not "
-                                   f"every rank has working oneCCL bindings ({', '.join(sorted(set(legs)))})")
+        return replace(choice, inter=LEGS[0], reason=f"{choice.reason}; between nodes gloo after all: not "
+                       f"every rank can take the same leg ({', '.join(sorted(set(legs)))})")
 
     def worker_cores(self, choice: BackendChoice, environ: Mapping[str, str]) -> int:
         leg = choice.leg
@@ -126,11 +130,12 @@ def _legs_differ(rank: int, legs: list[str], said: list[str]) -> None:
                       for r, (leg, s) in enumerate(zip(legs, said)) if r == rank or leg != legs[rank])
     shown = shown if len(shown) <= 400 else shown[:397] + "..."
     raise BackendError(f"rank {rank}: the ranks' shm node-to-node legs differ: {shown}",
-                       fix=f"set the same {INTER_VAR} (gloo or ccl) on every node, or unset it everywhere")
+                       fix=f"set the same {INTER_VAR} ({', '.join(LEGS)}) on every node, or unset it everywhere")
 
 
 def shm_options(choice: BackendChoice, *, async_comm: Optional[bool] = None, local_size: Optional[int] = None,
                 cpus: Optional[Tuple[int, ...]] = None) -> ShmOptions:
     """The shm group's options (``pg_options``): the agreed node-to-node leg (gloo without one);
     ``async_comm``, ``local_size`` and ``cpus`` as :class:`~cpuddp.backends.shm.api.ShmOptions`."""
-    return ShmOptions(inter=choice.inter or LEGS[0], async_comm=async_comm, local_size=local_size, cpus=cpus)
+    return ShmOptions(inter=choice.inter or LEGS[0], require_leg=choice.inter_set, async_comm=async_comm,
+                      local_size=local_size, cpus=cpus)

@@ -34,7 +34,7 @@ from torch import nn
 
 from cpuddp.errors import CheckpointError
 from cpuddp.launchers.report import note_checkpoint
-from cpuddp.ranks import group_rank_world
+from cpuddp.ranks import group_rank_world, log_here
 
 from ..common.data import ShardedLoader
 from ..common.rank0 import broadcast_bytes, on_rank0
@@ -129,14 +129,26 @@ def _find(path: str, check_permissions: bool) -> Optional[list[str]]:
 
 
 def _say_fresh(path: str, rank: int) -> None:
-    """Say, once (rank 0), that nothing is resumed: a mistyped directory must not restart at step 0 silently."""
+    """Say, once (the group's rank 0), that nothing is resumed: a mistyped directory must not
+    restart at step 0 silently.  A directory that does not exist is a warning -- a first run
+    and a mistyped path look alike from here, and a run that saves there resumes next time, so
+    only a path nothing is ever saved to warns run after run."""
     if rank != 0:
         return
     if os.path.lexists(path):
-        _log.info("no checkpoint in %s: starting at step 0", path)
+        log_here("cpuddp: no checkpoint in %s yet: starting at step 0", path, logger=_log)
     else:
-        _log.warning("no checkpoint in %s (it does not exist): starting at step 0; if you meant to resume, check "
-                     "the path", path)
+        log_here("cpuddp: no checkpoint in %s (it does not exist): starting at step 0, as a first run does; if this "
+                 "run should resume, check the path (the directory save_checkpoint() wrote)", path,
+                 level=logging.WARNING, logger=_log)
+
+
+def _say_resumed(where: str, state: dict, saved: int, world: int) -> None:
+    """The group's rank 0's one line for a resume: which checkpoint, which step (and epoch), at
+    which world size."""
+    epoch = state.get("epoch")
+    log_here("cpuddp: resumed from %s at step %d%s (saved by %d rank(s), now %d)", where, int(state["step"]),
+             "" if epoch is None else f", epoch {epoch}", saved, world, logger=_log)
 
 
 def _tell_world(saved: int, world: int) -> None:
@@ -205,10 +217,10 @@ def load_checkpoint(
     apply_state(state, core, optimizer, scheduler, scaler, loader, rank, restore_rng,
                 full=strategy_of(model).shards_parameters and kind == "file")
     saved_world = int(state.get("world_size", 1))
-    if saved_world != world and rank == 0:
-        _tell_world(saved_world, world)
-    _log.info("resumed from %s: step %s, epoch %s (saved by %d rank(s), now %d)", where, state["step"],
-              state.get("epoch"), saved_world, world)
+    if rank == 0:
+        if saved_world != world:
+            _tell_world(saved_world, world)
+        _say_resumed(where, state, saved_world, world)
     note_checkpoint(int(state["step"]), where)
     return Resumed(step=int(state["step"]), epoch=state.get("epoch"), extra=state.get("extra"), path=where,
                    saved_world_size=saved_world, world_size=world)

@@ -86,7 +86,7 @@ def on_rank0(action: Callable[[], Any], what: str, fix: str, group: Any) -> Any:
     Every rank waits for rank 0 in one broadcast.  An error on rank 0 is raised there as it
     is, and on every other rank as a :class:`CpuddpError` naming it -- so no rank is left
     waiting in a later collective until the timeout.  That error carries rank 0's own fix
-    when its error has one (every rank of the job gives the same fix: issue 46), else ``fix``.
+    when its error has one (every rank of the job gives the same fix), else ``fix``.
     """
     rank, _ = group_rank_world(group)
     status = ""

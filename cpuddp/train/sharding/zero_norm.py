@@ -1,5 +1,5 @@
 """``shard="optimizer"``: the total gradient norm, computed to the same bits before and after the
-optimizer is sharded -- so a run that clips its gradients resumes bit-identically (issue 46).
+optimizer is sharded -- so a run that clips its gradients resumes bit-identically.
 
 A process runs its first steps as DDP (every rank holds every reduced gradient) and the later
 ones sharded (each rank holds its share of every bucket, and the buckets' tails); a resumed run

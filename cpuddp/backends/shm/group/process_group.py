@@ -65,7 +65,9 @@ from ..routes import call_args
 from .. import native
 from .calls import Collectives
 from ..protocol.channel import Channel, Lifecycle
-from ..cross.hierarchy import Hierarchy, SumThenDivide, cross_group
+from ..cross.hierarchy import Hierarchy
+from ..cross.legs import Legs, form_legs
+from ..cross.native_hier import NativeHierarchy
 from ..routes.direct import Direct
 from ..routes.executor import Executor
 from ..protocol.handover import map_segment
@@ -76,6 +78,7 @@ from ..python.ops import check_tensors
 from .p2p import PeerLinks
 from ..routes.progress import Progress
 from ..routes.route import CALLS, Route, WorldRoute
+from ..routes.route_cross import NativeCrossRoute
 from ..routes.route_native import NativeRoute
 from ..routes.route_node import CrossRoute, NodeRoute
 from ..native.layout import C_NATIVE
@@ -140,13 +143,19 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         #: which data path the node's collectives take, and why (the log and the job's header)
         self.data_path = ""
         self._hier: Optional[Hierarchy] = None
+        self._nhier: Optional[NativeHierarchy] = None  # the hierarchy's native node parts
+        #: what carries the group between nodes, in words ("" on one node)
+        self.leg = ""
+        self._leg_name = ""  # "gloo", "ccl" or "mpi" where legs formed
         self._links: Optional[PeerLinks] = None
         self._world: Any = None  # gloo over every rank: across nodes only (all_to_all, send/recv)
         self._plan: Optional[NodePlan] = None
-        self.reason = self._setup(store, rank, size, timeout, name or group_name(store, "", (), size, None))
+        name = name or group_name(store, "", (), size, None)
+        self._whole = name.members == tuple(range(name.world))  # the job's world group
+        self.reason = self._setup(store, rank, size, timeout, name)
         self._life.live()
         threaded = self._eng is not None and async_setting(self._options.async_comm)
-        if self._native is not None and threaded:  # the native progress thread, not the Python one
+        if self._native is not None and threaded and self._hier is None:  # the native progress thread
             self._progress = Progress(self._native, self._on_error, rank)
             threaded = False
         self._stream = Stream(rank, threaded, self._on_error, self._thread_setup)
@@ -157,13 +166,14 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         #: the direct route: torch's call to one native call (native groups that queue nothing)
         self._direct = (Direct(self._native, self._life, self._eng.ch.seg, self._stream.exec_lock,  # type: ignore[union-attr]
                                self._on_error, self._plan.local)  # type: ignore[union-attr]
-                        if self._native is not None and self._stream.inline and self._progress is None else None)
+                        if self._native is not None and self._stream.inline and self._progress is None
+                        and self._hier is None else None)
         #: the route every collective takes (cpuddp.backends.shm.routes.route), chosen once: its methods
         #: bound here as ``_<name>``, what torch's methods (cpuddp.backends.shm.group.calls) hand a call to
         self._route = self._route_for()
         for call in CALLS:
             setattr(self, f"_{call}", getattr(self._route, call))
-        api.track(self)
+        api.track(self, (self._leg_name or self._options.inter) if self._whole else None)
         if rank == 0:
             log.info("cpuddp.shm: group of %d: %s", size, self.reason)
 
@@ -180,9 +190,9 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         check_local_size(plan, self._options.local_size, rank)
         self._plan = plan
         if plan.whole_gloo is not None:
-            self._world = SumThenDivide(dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout),
-                                        size)
-            return plan.whole_gloo
+            legs = self._legs(store, plan, name, timeout)
+            self._world = legs.world
+            return plan.whole_gloo.replace("gloo", legs.text, 1)
         _require_x86()
         seconds = timeout.total_seconds()
         with thread_affinity(self._options.cpus):  # the slots are allocated on the rank's NUMA node
@@ -195,18 +205,27 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         self._links = PeerLinks({plan.local[j]: s for j, s in socks.items()}, rank)
         numa = setup_levels(self._eng, self._options.cpus or plan.local_cpus[plan.local_rank])
         engine, path = native.form(self._eng.ch, peers, seconds, C_NATIVE)
-        if plan.nodes == 1 and self._eng.levels is None:  # the two-level and node-to-node plans run in Python
+        if self._eng.levels is None:  # the two-level NUMA plan runs in Python
             self._native = engine
         elif engine is not None:
-            path = "Python data path: the native one runs one-level, single-node groups"
+            path = "Python data path: the native one runs one-level groups"
         self.data_path = path
         if plan.nodes == 1:
             return f"shared memory among {plan.local_size} ranks ({', '.join(filter(None, (numa, path)))})"
-        cross = cross_group(dist.PrefixStore(f"cross/{plan.local_rank}", store), plan, timeout, self._options.inter)
-        self._hier = Hierarchy(self._eng, plan, cross)
-        self._world = SumThenDivide(dist.ProcessGroupGloo(dist.PrefixStore("gloo", store), rank, size, timeout), size)
-        return (f"shared memory within each of {plan.nodes} nodes ({plan.local_size} ranks each), "
-                f"{self._options.inter} between them")
+        legs = self._legs(store, plan, name, timeout)
+        self._hier = Hierarchy(self._eng, plan, legs.cross)
+        if self._native is not None:
+            self._nhier = NativeHierarchy(self._native, plan, legs.cross)
+        self._world = legs.world
+        return (f"shared memory within each of {plan.nodes} nodes ({plan.local_size} ranks each; {path}), "
+                f"{legs.text} between them")
+
+    def _legs(self, store: Any, plan: NodePlan, name: GroupName, timeout: datetime.timedelta) -> Legs:
+        """The group's legs between nodes (cross group and world group), and what carries them."""
+        legs = form_legs(store, plan, name, self.rank(), self.size(), timeout, self._options.inter,
+                         required=self._options.require_leg)
+        self.leg, self._leg_name = legs.text, legs.leg
+        return legs
 
     def _route_for(self) -> Route:
         """The route of the formed group, from what :meth:`_setup` made: no engine of the node's
@@ -214,6 +233,8 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         Python engine."""
         if self._eng is None:
             return WorldRoute(self._world)
+        if self._nhier is not None:
+            return NativeCrossRoute(self._executor, self._eng, self._hier, self._world, self._native, self._nhier)
         if self._hier is not None:
             return CrossRoute(self._executor, self._eng, self._hier, self._world)
         if self._native is not None:
@@ -226,6 +247,12 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
 
         with contextlib.suppress(AttributeError, OSError):
             ctypes.CDLL(None).omp_set_num_threads(1)
+
+    @property
+    def paths(self) -> str:
+        """The node's data path and the leg between nodes, in words (the job's header line):
+        ``native data path, avx2; between nodes MPI (MPICH Version: 5.0.2)``."""
+        return "; ".join(filter(None, (self.data_path, f"between nodes {self.leg}" if self.leg else "")))
 
     @property
     def shm_calls(self) -> int:

@@ -28,10 +28,11 @@ it orders memory); ctypes releases the GIL for it.  This module:
   up, the timeout).
 
 Owns: the library's loading, settings and binding, and the path a node agrees on; the C sources
-(``engine.c``, ``kernels.h``), their build (:mod:`.build`), and ``layout.h`` -- the segment's
-layout, the library's interface and the wait policy, defined once -- with its reader
-(:mod:`.layout`), which the Python engine uses too.  It is handed the segment and channel it
-works over: it imports no other module of the shm backend.
+(``engine.c``, ``kernels.h``), their build and its record (:mod:`.build`), the platform a
+built library needs (:mod:`.elf`, the wheels' tag), and ``layout.h`` -- the segment's layout,
+the library's interface and the wait policy, defined once -- with its reader (:mod:`.layout`),
+which the Python engine uses too.  It is handed the segment and channel it works over: it
+imports no other module of the shm backend.
 May import: :mod:`cpuddp.errors`
 """
 
@@ -102,6 +103,7 @@ class _Lib:
             "cpuddp_shm_abi": (i32, []),
             "cpuddp_shm_digest": (ctypes.c_char_p, []),
             "cpuddp_shm_isa_supported": (i32, [i32]),
+            "cpuddp_shm_isa_compiled": (i32, [i32]),
             "cpuddp_shm_best_isa": (i32, []),
             "cpuddp_shm_reduces": (i32, [i32, i32]),
             "cpuddp_shm_ctx_size": (i64, []),
@@ -205,13 +207,12 @@ def load() -> _Lib:
     return lib
 
 
-def _load() -> Tuple[Optional[_Lib], str]:
+def _load(where: Optional[str] = None) -> Tuple[Optional[_Lib], str]:
     from . import build as _build  # not at import: ``python -m cpuddp.backends.shm.native.build`` runs it
 
-    path = os.path.join(_build.HERE, _build.LIB_NAME)
+    path = os.path.join(where or _build.HERE, _build.LIB_NAME)
     if not os.path.exists(path):
-        return None, ("no native library was built (pip install found no C compiler); build it with "
-                      "'python -m cpuddp.backends.shm.native.build'")
+        return None, _build.explain(_build.read_record(path), _build.compiler())
     why = _trusted(path)
     if why is not None:
         return None, f"{why}: not loaded"
@@ -273,7 +274,16 @@ def status(environ: Mapping[str, str] = os.environ) -> Tuple[bool, str]:
         return False, f"python ({exc})"
     except Exception as exc:  # noqa: BLE001
         return False, f"python ({exc})"
-    return True, f"native ({ISAS[isa]})"
+    return True, f"native ({ISAS[isa]}{_unvectorised(lib)})"
+
+
+def _unvectorised(lib: _Lib) -> str:
+    """On x86, a library whose compiler compiled no vector width says so (its widths run scalar code)."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686") or lib.isa_compiled(ISAS.index("avx2")):
+        return ""
+    return ": its compiler compiled no vector kernels; build it with gcc or clang for avx2/avx512"
 
 
 # --------------------------------------------------------------------------- forming

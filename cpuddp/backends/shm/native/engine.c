@@ -98,24 +98,43 @@ static inline uint16_t f32_to_bf16(float f) {
 
 /* ---------------------------------------------------------------- kernels, one set per width */
 
+/* Each x86 width's kernels are compiled for that width inside a target region: GCC's `#pragma
+ * GCC target`, clang's `#pragma clang attribute` (clang ignores GCC's pragma, and zig cc is
+ * clang).  A compiler with neither compiles no vector width: VEC_COMPILED is 0, the library says
+ * so (cpuddp_shm_isa_compiled) and runs its scalar kernels at every width. */
 #define KSUFFIX scalar
 #include "kernels.h"
 #undef KSUFFIX
 
-#if defined(__x86_64__) || defined(__i386__)
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__clang__) || defined(__GNUC__))
+#define VEC_COMPILED 1
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx2")
+#endif
 #define KSUFFIX avx2
 #include "kernels.h"
 #undef KSUFFIX
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl"))), apply_to = function)
+#else
 #pragma GCC pop_options
-
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl")
+#endif
 #define KSUFFIX avx512
 #include "kernels.h"
 #undef KSUFFIX
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
+#else
+#define VEC_COMPILED 0
 #endif
 
 /* ---------------------------------------------------------------- the context */
@@ -553,20 +572,47 @@ static int drive(ctx_t *c) {
 
 /* ---------------------------------------------------------------- kernel choice */
 
+/* is this width's vector code compiled into this library? */
+static int isa_compiled(int isa) { return isa == ISA_SCALAR || (VEC_COMPILED && (isa == ISA_AVX2 || isa == ISA_AVX512)); }
+
+#if VEC_COMPILED
+/* The CPU's widths from CPUID and the OS's saved state (XGETBV), read here rather than through
+ * __builtin_cpu_supports: zig cc's runtime stubs that out (it says no width), and a width the
+ * CPU has but the OS does not save the registers of cannot run. */
+static void cpuid(unsigned leaf, unsigned sub, unsigned r[4]) {
+    __asm__ __volatile__("cpuid" : "=a"(r[0]), "=b"(r[1]), "=c"(r[2]), "=d"(r[3]) : "a"(leaf), "c"(sub));
+}
+
+static int cpu_widths(void) { /* bit 1: avx2, bit 2: avx512 (f, bw, vl) */
+    unsigned r[4], lo, hi;
+    cpuid(0, 0, r);
+    if (r[0] < 7) return 0;
+    cpuid(1, 0, r);
+    if (!(r[2] & (1u << 27)) || !(r[2] & (1u << 28))) return 0; /* OSXSAVE, AVX */
+    __asm__ __volatile__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    (void)hi;
+    cpuid(7, 0, r);
+    int out = ((lo & 0x6u) == 0x6u && (r[1] & (1u << 5))) ? 2 : 0; /* XMM, YMM state; AVX2 */
+    unsigned avx512 = (1u << 16) | (1u << 30) | (1u << 31);      /* AVX512F, BW, VL */
+    if (out && (lo & 0xE0u) == 0xE0u && (r[1] & avx512) == avx512) out |= 4; /* opmask, ZMM state */
+    return out;
+}
+#endif
+
+/* does this CPU run this width, compiled in? */
 static int isa_supported(int isa) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_cpu_init();
-    if (isa == ISA_AVX512)
-        return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-               __builtin_cpu_supports("avx512vl");
-    if (isa == ISA_AVX2) return __builtin_cpu_supports("avx2");
+#if VEC_COMPILED
+    static int known = -1; /* every thread computes the same value: relaxed is enough */
+    int widths = __atomic_load_n(&known, __ATOMIC_RELAXED);
+    if (widths < 0) __atomic_store_n(&known, widths = cpu_widths(), __ATOMIC_RELAXED);
+    if (isa == ISA_AVX512 || isa == ISA_AVX2) return (widths >> isa) & 1;
 #endif
     return isa == ISA_SCALAR;
 }
 
 static rows_fn pick(int isa, int op, int dtype) {
     if (op == OPC_AVG) op = OPC_SUM; /* the binding divides */
-#if defined(__x86_64__) || defined(__i386__)
+#if VEC_COMPILED
     if (isa == ISA_AVX512) return kernel_avx512(op, dtype);
     if (isa == ISA_AVX2) return kernel_avx2(op, dtype);
 #endif
@@ -588,6 +634,7 @@ static int64_t esize_of(int dtype) {
 
 int cpuddp_shm_abi(void) { return ABI; }
 int cpuddp_shm_isa_supported(int isa) { return isa_supported(isa); }
+int cpuddp_shm_isa_compiled(int isa) { return isa_compiled(isa); }
 int cpuddp_shm_best_isa(void) {
     return isa_supported(ISA_AVX512) ? ISA_AVX512 : isa_supported(ISA_AVX2) ? ISA_AVX2 : ISA_SCALAR;
 }

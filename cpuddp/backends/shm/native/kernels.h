@@ -1,8 +1,8 @@
 /* cpuddp shm native engine: the reduce kernels, compiled once per vector width.
  *
  * This file is included three times by engine.c, each time with KSUFFIX set (scalar, avx2,
- * avx512) and, on x86, inside a `#pragma GCC target` region: the compiler vectorises the same
- * loops for that width, and engine.c picks a width at run time from the CPU (never -march).
+ * avx512) and, on x86, inside a target region (GCC's `#pragma GCC target`, clang's `#pragma clang
+ * attribute`): the compiler vectorises the same loops for that width, and engine.c picks a width at run time from the CPU (never -march).
  * Every loop is elementwise across the message and runs over the ranks' rows in rank order:
  * out[j] = ((row0[j] op row1[j]) op row2[j]) ...  No reassociation, no contraction
  * (-ffp-contract=off, no -ffast-math): the result is the same bits on every rank and at every

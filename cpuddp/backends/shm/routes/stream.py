@@ -6,7 +6,7 @@ The rule (``CPUDDP_SHM_ASYNC``, or :class:`~cpuddp.backends.shm.group.process_gr
 rank has a CPU its compute threads do not use (a plan that leaves one free), or the user asked
 for the thread; then collectives of :data:`ASYNC_FROM` bytes and more are queued, and DDP's
 backward goes on while they run.  On a rank whose compute threads fill its CPUs the thread
-can only take CPU time from backward: measured on 2 ranks x 1 core (docs/performance.md),
+can only take CPU time from backward: measured on 2 ranks x 1 core of an AMD EPYC Zen 4 (docs/performance.md),
 DDP ran slower with it than without.
 
 Every collective returns a :class:`ShmWork`; its ``wait()`` raises the collective's error.

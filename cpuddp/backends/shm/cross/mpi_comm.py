@@ -1,0 +1,217 @@
+"""One MPI communicator as the shm group's node-to-node leg sees it (mpi4py): byte collectives,
+posted nonblocking, waited for with the shm backend's wait policy, each one agreed first.
+
+* **Bytes only.**  Every collective moves ``MPI.BYTE`` straight from and into the tensors'
+  storage (by address: no copy, no numpy).  Reductions are computed by the caller
+  (:mod:`cpuddp.backends.shm.cross.mpi_group`), in rank order, so no MPI datatype or reduction
+  algorithm decides a result.
+* **Agreed.**  Each collective posts its descriptor (:func:`~cpuddp.backends.shm.protocol.descriptor.encode`)
+  on a twin communicator first -- its words and their negation, MIN-reduced in one small
+  nonblocking all-reduce that travels beside the data -- and its result counts only once the
+  descriptors agree: ranks that called different collectives, sizes or roots get a
+  :class:`~cpuddp.backends.shm.protocol.descriptor.CallMismatch` naming each rank's call.
+* **Waiting.**  MPI's own waits spin on a CPU; here each request is polled: yielding the CPU
+  between looks for the shm backend's yield phase (where every rank has a CPU of its own), then
+  sleeping :data:`SLEEP` between looks while a transfer may be under way (MPI moves a large
+  message only inside the calls that look at it, so longer sleeps would stall it), and longer
+  sleeps, up to :data:`SLEEP_MAX`, once a wait has lasted :data:`LONG_WAIT` (a peer still
+  computing).  The node's ranks keep their CPUs even when there are more ranks than CPUs.  Every
+  :data:`CHECK_EVERY` seconds of a wait: has a rank of this process given up (:meth:`abort`), is
+  a rank known lost (:func:`cpuddp.backends.shm.api.lost`: the watchdog's check), and the group
+  timeout.
+* **Threads.**  One thread in MPI at a time unless MPI gave ``MPI_THREAD_MULTIPLE``.
+* **Errors.**  MPI's errors return (``MPI.ERRORS_RETURN``) and become a ``DistBackendError``
+  naming the rank and the call; after one the leg is broken (later calls raise at once) and the
+  process ends with ``MPI_Abort`` at exit, not in an ``MPI_Finalize`` that would wait for a peer
+  that is gone (:func:`cpuddp.launchers.mpi.abort_at_exit`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from cpuddp.launchers import mpi as mpi_world
+
+from .. import api
+from ..protocol.descriptor import Call, CallMismatch, describe
+from ..protocol.wait import YIELD_FOR
+
+__all__ = ["MpiComm", "CHECK_EVERY"]
+
+#: Seconds between the checks a long wait makes (abort, a lost rank, the timeout).
+CHECK_EVERY = 1.0
+#: Seconds slept between looks at a request, for the first LONG_WAIT seconds of a wait (after the
+#: yield phase), then growing with the wait up to SLEEP_MAX.
+SLEEP, LONG_WAIT, SLEEP_MAX = 50e-6, 0.05, 1e-3
+#: Held around each MPI call where MPI did not give THREAD_MULTIPLE.
+_SERIAL = threading.RLock()
+_EMPTY = torch.zeros(8, dtype=torch.uint8)  # the address of an empty buffer (MPI takes no null)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class MpiComm:
+    """One communicator (``comm``) and its twin for the agreement, as the leg uses them."""
+
+    def __init__(self, mpi: Any, comm: Any, timeout: float, spin: bool, what: str) -> None:
+        self.MPI, self.comm = mpi, comm
+        comm.Set_errhandler(mpi.ERRORS_RETURN)
+        self.twin = comm.Dup()
+        self.rank, self.size = int(comm.Get_rank()), int(comm.Get_size())
+        self.timeout, self.spin, self.what = timeout, spin, what
+        self.serial = _SERIAL if mpi_world.thread_level(mpi) != mpi_world.MULTIPLE_NAME else None
+        self.broken: Optional[str] = None
+        self.aborted: Optional[str] = None
+
+    # ------------------------------------------------------------------ plumbing
+
+    def lock(self) -> Any:
+        return self.serial if self.serial is not None else contextlib.nullcontext()
+
+    def buf(self, t: torch.Tensor, count: Optional[int] = None) -> List[Any]:
+        """``[buffer, count, MPI.BYTE]`` over ``t``'s storage (contiguous); ``count``: the bytes
+        per rank of a collective that moves one block per rank (default: all of them)."""
+        n = _nbytes(t)
+        addr = t.data_ptr() if n else _EMPTY.data_ptr()
+        return [self.MPI.buffer.fromaddress(addr, n), n if count is None else count, self.MPI.BYTE]
+
+    def counts(self, t: torch.Tensor, counts: Sequence[int]) -> List[Any]:
+        """``[buffer, counts, displacements, MPI.BYTE]`` for a v-collective over ``t``'s bytes."""
+        displs, at = [], 0
+        for c in counts:
+            displs.append(at)
+            at += c
+        n = _nbytes(t)
+        addr = t.data_ptr() if n else _EMPTY.data_ptr()
+        return [self.MPI.buffer.fromaddress(addr, n), list(counts), displs, self.MPI.BYTE]
+
+    def post(self, start: Callable[[], Any], call: str) -> Any:
+        """Start one nonblocking MPI call; its request."""
+        self.usable(call)
+        try:
+            with self.lock():
+                return start()
+        except self.MPI.Exception as exc:
+            raise self.fail(f"{call}: {exc.Get_error_string()}") from None
+
+    def usable(self, call: str) -> None:
+        if self.broken is not None:
+            raise dist.DistBackendError(f"MPI leg: {call} on rank {self.rank} of the {self.what}: the leg broke "
+                                        f"earlier ({self.broken})")
+
+    def fail(self, why: str) -> Exception:
+        """Mark the leg broken (later calls raise at once; MPI_Abort at exit); the error to raise."""
+        self.broken = self.broken or why
+        mpi_world.abort_at_exit(1)
+        return dist.DistBackendError(f"MPI leg: {why} (rank {self.rank} of the {self.what})")
+
+    def abort(self, why: str) -> None:
+        """Another part of this process gave up: a wait in progress ends with ``why``."""
+        self.aborted = why
+
+    # ------------------------------------------------------------------ waiting
+
+    def wait(self, reqs: Sequence[Any], call: str, statuses: Optional[List[Any]] = None) -> None:
+        """Until every request of ``reqs`` completed (see the module docstring); ``statuses``
+        get theirs (a receive's source)."""
+        test = self.MPI.Request.Testall
+        start = time.monotonic()
+        yield_until = start + (YIELD_FOR if self.spin else 0.0)
+        check_at, deadline = start + CHECK_EVERY, start + self.timeout
+        while True:
+            try:
+                with self.lock():
+                    if test(reqs, statuses) if statuses is not None else test(reqs):
+                        return
+            except self.MPI.Exception as exc:
+                raise self.fail(f"{call} failed: {exc.Get_error_string()}") from None
+            now = time.monotonic()
+            if now < yield_until:
+                os.sched_yield()
+            else:
+                waited = now - start
+                time.sleep(SLEEP if waited < LONG_WAIT else min(SLEEP_MAX, waited / 50))
+            if now >= check_at:
+                check_at = now + CHECK_EVERY
+                self._check(call, now > deadline)
+
+    def _check(self, call: str, late: bool) -> None:
+        if self.aborted is not None:
+            raise self.fail(f"{call} stopped: {self.aborted}")
+        lost = api.lost()
+        if lost:
+            raise self.fail(f"{call} cannot finish: {lost}")
+        if late:
+            raise self.fail(f"{call} did not finish within {self.timeout:g} s (the group timeout: a rank of the "
+                            f"{self.what} is stuck, gone, or not calling the same collective)")
+
+    # ------------------------------------------------------------------ the agreement
+
+    def agree(self, call: Call) -> tuple:
+        """Post ``call``'s descriptor on the twin: ``(request, words)`` for :meth:`agreed`."""
+        words = call.words()
+        mine = torch.tensor([*words, *(-w for w in words)], dtype=torch.int64)
+        mpi = self.MPI
+        req = self.post(lambda: self.twin.Iallreduce(mpi.IN_PLACE, [self.buf(mine)[0], mine.numel(), mpi.INT64_T],
+                                                     mpi.MIN), "the agreement")
+        return req, mine, words
+
+    def agreed(self, posted: tuple, what: str) -> None:
+        """Wait for the agreement :meth:`agree` posted; a mismatch is an error on every rank that
+        names each rank's call (every rank sees the same minimum and maximum)."""
+        req, mine, words = posted
+        self.wait([req], f"{what}'s agreement")
+        n = len(words)
+        low, high = mine[:n].tolist(), [-v for v in mine[n:].tolist()]
+        if low == high:
+            return
+        calls = self._every_call(words)
+        shown = "; ".join(f"rank {r}: {describe(c)}" for r, c in enumerate(calls))
+        self.broken = self.broken or "ranks called different collectives"
+        mpi_world.abort_at_exit(1)
+        raise CallMismatch(f"MPI leg: the ranks of the {self.what} called different collectives (this is rank "
+                           f"{self.rank}, which called {describe(words)}): {shown[:1500]}")
+
+    def _every_call(self, words: Sequence[int]) -> List[tuple]:
+        n, mpi = len(words), self.MPI
+        mine = torch.tensor(list(words), dtype=torch.int64)
+        every = torch.empty(n * self.size, dtype=torch.int64)
+        req = self.post(lambda: self.twin.Iallgather([self.buf(mine)[0], n, mpi.INT64_T],
+                                                     [self.buf(every)[0], n, mpi.INT64_T]), "naming the calls")
+        self.wait([req], "naming the ranks' calls")
+        rows = every.view(self.size, n).tolist()
+        return [tuple(r) for r in rows]
+
+    def run(self, call: Call, what: str, steps: Sequence[Callable[[], Any]]) -> None:
+        """One collective: its agreement posted, then each step run and the request it returns
+        waited for, in turn (a step that computes returns no request); the agreement checked
+        before any result counts."""
+        posted = self.agree(call)
+        checked = False
+        for step in steps:
+            req = self.post(step, what)
+            if not checked:
+                self.agreed(posted, what)
+                checked = True
+            if isinstance(req, self.MPI.Request):
+                self.wait([req], what)
+        if not checked:
+            self.agreed(posted, what)
+
+    def close(self) -> None:
+        """Free the communicators (a broken leg's are left: a peer may be gone)."""
+        if self.broken is not None:
+            return
+        for c in (self.twin, self.comm):
+            with contextlib.suppress(Exception), self.lock():
+                if c != self.MPI.COMM_WORLD:
+                    c.Free()
