@@ -41,7 +41,7 @@ from cpuddp.launchers import mpi as mpi_world
 
 from .. import api
 from ..protocol.descriptor import Call, CallMismatch, describe
-from ..protocol.wait import YIELD_FOR
+from ..native.layout import WAIT_YIELD_NS
 
 __all__ = ["MpiComm", "CHECK_EVERY"]
 
@@ -125,7 +125,7 @@ class MpiComm:
         get theirs (a receive's source)."""
         test = self.MPI.Request.Testall
         start = time.monotonic()
-        yield_until = start + (YIELD_FOR if self.spin else 0.0)
+        yield_until = start + (WAIT_YIELD_NS / 1e9 if self.spin else 0.0)
         check_at, deadline = start + CHECK_EVERY, start + self.timeout
         while True:
             try:
