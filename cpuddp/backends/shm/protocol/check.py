@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import os
 import platform
-from typing import Callable, Mapping, Optional, Tuple
-
-from ..native.layout import DESC, LINE, PAGE, RING
+from typing import Any, Callable, Mapping, Optional, Tuple
 
 __all__ = [
     "NAME",
@@ -63,7 +61,8 @@ def slot_bytes(environ: Mapping[str, str]) -> int:
         value = parse_size(raw)
     except ValueError:
         value = 0
-    if value < PAGE or value % PAGE:
+    page = _sizes().PAGE
+    if value < page or value % page:
         raise ValueError(
             f"{SLOT_VAR}={raw!r} is not a size in bytes that is a multiple of 4096 (4K); "
             f"unset it for the default 1M, or set e.g. {SLOT_VAR}=4M"
@@ -77,19 +76,29 @@ def layout(local_world_size: int, slot: int) -> Tuple[int, int, int]:
     A header page, one control line per rank, the descriptor rings, then two buffers
     (parities) of one slot per rank; the sizes are ``layout.h``'s (:mod:`cpuddp.backends.shm.native.layout`).
     """
-    counters = PAGE
-    slots = ring_offset(local_world_size) + _round_up(RING * DESC * local_world_size, PAGE)
+    s = _sizes()
+    counters = s.PAGE
+    slots = ring_offset(local_world_size) + _round_up(s.RING * s.DESC * local_world_size, s.PAGE)
     return counters, slots, slots + 2 * local_world_size * slot
 
 
 def ring_offset(local_world_size: int) -> int:
     """Offset of the descriptor rings (entry-major: rank r's entry i at ``+ (i * local ranks + r) * DESC``)."""
-    return PAGE + _round_up(LINE * local_world_size, PAGE)
+    s = _sizes()
+    return s.PAGE + _round_up(s.LINE * local_world_size, s.PAGE)
 
 
 def reservation_bytes(local_world_size: int, environ: Mapping[str, str]) -> int:
     """Bytes one node's segment reserves in the shared-memory directory."""
     return layout(local_world_size, slot_bytes(environ))[2]
+
+
+def _sizes() -> Any:
+    """layout.h's reader, loaded when a size is first asked for, not when the registry imports
+    this module (it brings the native binding's package, and ctypes, with it)."""
+    from ..native import layout
+
+    return layout
 
 
 def _round_up(n: int, to: int) -> int:
