@@ -70,7 +70,7 @@ class Progress:
     def __init__(self, engine: Any, on_error: Callable[[BaseException], None], rank: int) -> None:
         self.engine, self.on_error = engine, on_error
         lib = engine.lib
-        self._submit, self._wait, self._pending = lib.submit, lib.wait, lib.pending
+        self._submit, self._wait = lib.submit, lib.wait
         if lib.start(engine.ctx) != RC_OK:
             raise RuntimeError("the shm engine's progress thread did not start")
         self._jobs: Dict[int, _Job] = {}
