@@ -73,6 +73,7 @@ class MpiComm:
         self.serial = _SERIAL if mpi_world.thread_level(mpi) != mpi_world.MULTIPLE_NAME else None
         self.broken: Optional[str] = None
         self.aborted: Optional[str] = None
+        self.error_class: Optional[int] = None  # MPI's class of the last MPI error (ERR_TRUNCATE, ...)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -136,6 +137,7 @@ class MpiComm:
                     if test(reqs, statuses) if statuses is not None else test(reqs):
                         return
             except self.MPI.Exception as exc:
+                self.error_class = exc.Get_error_class()
                 raise self.fail(f"{call} failed: {exc.Get_error_string()}") from None
             now = time.monotonic()
             if now < yield_until:
@@ -238,7 +240,8 @@ class MpiComm:
         try:
             self.wait([req], what)
         except dist.DistBackendError:
-            self.mismatch(words)
+            if self.error_class == self.MPI.ERR_TRUNCATE:  # a peer's row was longer: say whose call
+                self.mismatch(words)  # (after any other MPI error, no more MPI calls: a peer may be gone)
             raise
         heads = rows[:, :HEAD].view(torch.int64)
         if not bool((heads == head).all()):
