@@ -100,6 +100,17 @@ def test_ddp_on_the_mpi_leg_follows_the_gloo_legs_losses(shard, tmp_path):
     assert got["mpi"] == pytest.approx(got["gloo"], rel=1e-5, abs=1e-6), got
 
 
+def test_the_mpi_leg_takes_calls_from_the_communication_thread_and_a_comm_hook(tmp_path):
+    """MPI started with THREAD_MULTIPLE: the group's communication thread (CPUDDP_SHM_ASYNC=1)
+    issues the leg's calls, and DDP's bf16 comm hook chains its collectives on them."""
+    run, out = _job("mpich", 2, 2, "train", tmp_path, CPUDDP_SHM_INTER="mpi", CPUDDP_SHM_ASYNC="1",
+                    MPI_LEG_HOOK="bf16")
+    reports = _reports(out, 4, run)
+    assert all(r.get("ok") for r in reports), [r.get("traceback") for r in reports]
+    assert len({r["weights"] for r in reports}) == 1, "the ranks' weights differ"
+    assert all(0 < x < 10 for x in reports[0]["losses"]), reports[0]["losses"]
+
+
 # --------------------------------------------------------------------------- failures
 
 

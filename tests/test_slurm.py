@@ -325,3 +325,28 @@ def test_mpi_library_finds_slurm_pmi2(kind: str, nodes: int, request: pytest.Fix
                            str(libdir / "libmpi.so.12")], timeout=RUN_TIMEOUT, cwd=out, env=env)
     rows = sorted((json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
     assert [(r["rank"], r["size"], r["sum"]) for r in rows] == [(0, 2, 3), (1, 2, 3)], res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("kind", ["mpich", "impi"])
+def test_srun_pmi2_takes_the_mpi_leg_between_nodes(kind: str, slurm_two_nodes: Cluster) -> None:
+    """Two nodes of 2 tasks under ``srun --mpi=pmi2``: auto's shm group takes the MPI leg (mpi4py
+    over the MPI wheel's library, which speaks PMI-2 to slurmstepd), and every collective on it
+    gives the exact values on every rank (tests/scripts/mpi_leg.py)."""
+    from launchers_util import launcher_path
+
+    libdir = Path(launcher_path(kind)).parent.parent / "lib"
+    env = slurm_two_nodes.env(MPI4PY_LIBMPI=str(libdir / "libmpi.so.12"), UCX_TLS="tcp,self", OMP_NUM_THREADS="1",
+                              CPUDDP_TIMEOUT=str(INIT_TIMEOUT))
+    if kind == "impi":
+        env["LD_LIBRARY_PATH"] = str(libdir)  # libfabric.so.1 beside it (what its mpivars does)
+    out = _outdir(slurm_two_nodes, f"mpi-leg-{kind}")
+    res = slurm_two_nodes.command(["srun", "-N", "2", "-n", "4", "--mpi=pmi2", PY,
+                                   str(REPO / "tests/scripts/mpi_leg.py"), "collectives", str(out)],
+                                  timeout=RUN_TIMEOUT, cwd=out, env=env, check=False)
+    reports = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
+    assert [r["rank"] for r in reports] == [0, 1, 2, 3], res.stdout[-2000:] + res.stderr[-3000:]
+    for r in reports:
+        assert r.get("ok"), r.get("traceback") or r
+        assert r["backend"] == "shm" and r["leg"].startswith("MPI ("), r
+        assert r["bad"] == [], r["bad"][:10]
+    assert len({r["digest"] for r in reports}) == 1

@@ -138,11 +138,23 @@ def world_mismatch(mpi: Any, env: "DistEnv") -> Optional[str]:
             "--mpi=pmix)")
 
 
-def abort_at_exit(code: int = 1) -> None:
-    """After an MPI call failed: end the process at exit with ``MPI_Abort`` (which ends the job's
-    other ranks through the launcher) rather than waiting in ``MPI_Finalize`` for a peer that may
-    be gone.  A no-op where MPI was not started by mpi4py's import."""
+def abort_at_exit(code: int = 1, *, linger: float = 0.0) -> None:
+    """After an MPI call failed, or an uncaught exception: end the process at exit with
+    ``MPI_Abort`` (which ends the job's other ranks through the launcher) rather than waiting in
+    ``MPI_Finalize`` for a peer that may be gone.  ``linger``: seconds to wait before it, so the
+    other ranks can still say what they saw (their waits look for a lost rank every second).  A
+    no-op where MPI was not started by mpi4py's import."""
     mod = sys.modules.get("mpi4py.MPI")
     setter = getattr(mod, "_set_abort_status", None)
-    if mod is not None and setter is not None and started():
-        setter(code)
+    if mod is None or setter is None or not started():
+        return
+    setter(code)
+    if linger > 0 and not _lingering and int(mod.COMM_WORLD.Get_size()) > 1:
+        import atexit
+        import time
+
+        _lingering.append(linger)
+        atexit.register(time.sleep, linger)  # Python's exit handlers run before mpi4py's MPI_Abort
+
+
+_lingering: list = []

@@ -36,6 +36,8 @@ from .mpi import abort_at_exit
 __all__ = ["REPORT_DIR_ENV", "ERROR_FILE_ENV", "install", "print_whole", "write_whole", "record_failure",
            "note_checkpoint", "read_reports", "ending", "report_dir"]
 
+#: Seconds a rank that raised lingers before ``MPI_Abort`` ends the job (MPI jobs only).
+ABORT_LINGER = 1.5
 #: The private directory ``cpuddp run`` makes for its ranks' reports.
 REPORT_DIR_ENV = "CPUDDP_REPORT_DIR"
 #: torch's elastic agent: where each worker may write its error (JSON), read by the agent.
@@ -94,7 +96,9 @@ def install() -> None:
     def hook(exc_type: type, exc: BaseException, tb: Any) -> None:
         record_failure(exc_type, exc)
         printer(exc_type, exc, tb)
-        abort_at_exit(1)  # where MPI started: end with MPI_Abort, not in an MPI_Finalize that waits for peers
+        # where MPI started: end with MPI_Abort, not in an MPI_Finalize that waits for peers -- after a
+        # moment in which the other ranks' waits can see this rank's error and say so
+        abort_at_exit(1, linger=ABORT_LINGER)
 
     hook._cpuddp_report = True  # type: ignore[attr-defined]
     sys.excepthook = hook

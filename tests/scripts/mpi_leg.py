@@ -5,8 +5,9 @@ namespace hosts.  ``python mpi_leg.py MODE OUTDIR``; each rank writes ``OUTDIR/r
   against exact values on every rank (integer-valued floats, so every order of summing gives the
   same exact sum), plus a digest of a random-valued float sum (every rank must hold the same bits);
   the group's leg, reason and data path.
-* ``train``: DDP (``MPI_LEG_SHARD=optimizer``: ``cpuddp.prepare(shard="optimizer")``) of a small
-  MLP for a few steps: the loss of each step and a digest of the weights.
+* ``train``: DDP (``MPI_LEG_SHARD=optimizer``: ``cpuddp.prepare(shard="optimizer")``;
+  ``MPI_LEG_HOOK=bf16``: its comm hook) of a small MLP for a few steps: the loss of each step and
+  a digest of the weights.
 * ``raises``: the last rank raises an exception while the others wait in an all_reduce.
 * ``mismatch``: rank 0 all-reduces 3 elements, the others 4.
 * ``leg``: init only: the group's leg and reason.
@@ -115,7 +116,8 @@ def train(r: int) -> dict:
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     shard = os.environ.get("MPI_LEG_SHARD") or None
-    ddp = cpuddp.prepare(model, opt, shard=shard, mixed_precision="fp32")
+    hook = os.environ.get("MPI_LEG_HOOK") or None
+    ddp = cpuddp.prepare(model, opt, shard=shard, mixed_precision="fp32", comm_hook=hook)
     gen = torch.Generator().manual_seed(100 + r)
     losses = []
     for _ in range(12):

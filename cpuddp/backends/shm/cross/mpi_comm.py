@@ -50,6 +50,8 @@ CHECK_EVERY = 1.0
 #: Seconds slept between looks at a request, for the first LONG_WAIT seconds of a wait (after the
 #: yield phase), then growing with the wait up to SLEEP_MAX.
 SLEEP, LONG_WAIT, SLEEP_MAX = 50e-6, 0.05, 1e-3
+#: Bytes of a row's head in :meth:`MpiComm.gather_rows`: the call's descriptor and the row's length.
+HEAD = 64
 #: Held around each MPI call where MPI did not give THREAD_MULTIPLE.
 _SERIAL = threading.RLock()
 _EMPTY = torch.zeros(8, dtype=torch.uint8)  # the address of an empty buffer (MPI takes no null)
@@ -71,6 +73,7 @@ class MpiComm:
         self.serial = _SERIAL if mpi_world.thread_level(mpi) != mpi_world.MULTIPLE_NAME else None
         self.broken: Optional[str] = None
         self.aborted: Optional[str] = None
+        self.error_class: Optional[int] = None  # MPI's class of the last MPI error (ERR_TRUNCATE, ...)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -94,9 +97,10 @@ class MpiComm:
         addr = t.data_ptr() if n else _EMPTY.data_ptr()
         return [self.MPI.buffer.fromaddress(addr, n), list(counts), displs, self.MPI.BYTE]
 
-    def post(self, start: Callable[[], Any], call: str) -> Any:
-        """Start one nonblocking MPI call; its request."""
-        self.usable(call)
+    def post(self, start: Callable[[], Any], call: str, *, check: bool = True) -> Any:
+        """Start one nonblocking MPI call; its request (``check``: refused on a broken leg)."""
+        if check:
+            self.usable(call)
         try:
             with self.lock():
                 return start()
@@ -133,6 +137,7 @@ class MpiComm:
                     if test(reqs, statuses) if statuses is not None else test(reqs):
                         return
             except self.MPI.Exception as exc:
+                self.error_class = exc.Get_error_class()
                 raise self.fail(f"{call} failed: {exc.Get_error_string()}") from None
             now = time.monotonic()
             if now < yield_until:
@@ -165,16 +170,23 @@ class MpiComm:
                                                      mpi.MIN), "the agreement")
         return req, mine, words
 
-    def agreed(self, posted: tuple, what: str) -> None:
-        """Wait for the agreement :meth:`agree` posted; a mismatch is an error on every rank that
-        names each rank's call (every rank sees the same minimum and maximum)."""
+    def agreed(self, posted: tuple, what: str, also: Sequence[Any] = ()) -> None:
+        """Wait for the agreement :meth:`agree` posted (and the requests ``also``, polled with
+        it); a mismatch is an error on every rank that names each rank's call (every rank sees
+        the same minimum and maximum)."""
         req, mine, words = posted
-        self.wait([req], f"{what}'s agreement")
+        self.wait([req, *also], what)
         n = len(words)
-        low, high = mine[:n].tolist(), [-v for v in mine[n:].tolist()]
-        if low == high:
-            return
+        if mine[:n].tolist() != [-v for v in mine[n:].tolist()]:
+            self.mismatch(words)
+
+    def mismatch(self, words: Sequence[int]) -> None:
+        """The ranks called different collectives (or one rank's MPI call failed, which may be
+        why): every rank's call through the twin, then :class:`CallMismatch` naming them -- or,
+        where every rank called the same, nothing (the caller raises its own error)."""
         calls = self._every_call(words)
+        if len(set(calls)) == 1:
+            return
         shown = "; ".join(f"rank {r}: {describe(c)}" for r, c in enumerate(calls))
         self.broken = self.broken or "ranks called different collectives"
         mpi_world.abort_at_exit(1)
@@ -186,26 +198,55 @@ class MpiComm:
         mine = torch.tensor(list(words), dtype=torch.int64)
         every = torch.empty(n * self.size, dtype=torch.int64)
         req = self.post(lambda: self.twin.Iallgather([self.buf(mine)[0], n, mpi.INT64_T],
-                                                     [self.buf(every)[0], n, mpi.INT64_T]), "naming the calls")
+                                                     [self.buf(every)[0], n, mpi.INT64_T]), "naming the calls",
+                        check=False)
         self.wait([req], "naming the ranks' calls")
         rows = every.view(self.size, n).tolist()
         return [tuple(r) for r in rows]
 
     def run(self, call: Call, what: str, steps: Sequence[Callable[[], Any]]) -> None:
-        """One collective: its agreement posted, then each step run and the request it returns
-        waited for, in turn (a step that computes returns no request); the agreement checked
-        before any result counts."""
+        """One collective: its agreement posted, then each step run and the requests it returns
+        (one, a list, or none: a step that computes) waited for, in turn -- the first step's with
+        the agreement's, so they travel together; the agreement checked before any result counts."""
         posted = self.agree(call)
         checked = False
         for step in steps:
-            req = self.post(step, what)
+            reqs = self.post(step, what)
+            reqs = [r for r in (reqs if isinstance(reqs, (list, tuple)) else [reqs])
+                    if isinstance(r, self.MPI.Request)]
             if not checked:
-                self.agreed(posted, what)
+                self.agreed(posted, what, reqs)
                 checked = True
-            if isinstance(req, self.MPI.Request):
-                self.wait([req], what)
+            elif reqs:
+                self.wait(reqs, what)
         if not checked:
             self.agreed(posted, what)
+
+    def gather_rows(self, call: Call, what: str, payload: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``payload`` (contiguous bytes, the same length on every rank), as rows
+        ``[ranks, bytes]``, in one all-gather that carries the call's descriptor in each row's head:
+        the agreement without a round of its own (a difference is a :class:`CallMismatch` on every
+        rank, each having every rank's descriptor; where sizes differ so that MPI fails the call,
+        the ranks name their calls through the twin)."""
+        n, words = payload.numel(), call.words()
+        row = HEAD + -(-n // 8) * 8
+        send = torch.empty(row, dtype=torch.uint8)
+        head = send[:HEAD].view(torch.int64)
+        head[:len(words)] = torch.tensor(words, dtype=torch.int64)
+        head[len(words):] = n
+        send[HEAD:HEAD + n].copy_(payload)
+        rows = torch.empty((self.size, row), dtype=torch.uint8)
+        req = self.post(lambda: self.comm.Iallgather(self.buf(send), self.buf(rows, row)), what)
+        try:
+            self.wait([req], what)
+        except dist.DistBackendError:
+            if self.error_class == self.MPI.ERR_TRUNCATE:  # a peer's row was longer: say whose call
+                self.mismatch(words)  # (after any other MPI error, no more MPI calls: a peer may be gone)
+            raise
+        heads = rows[:, :HEAD].view(torch.int64)
+        if not bool((heads == head).all()):
+            self.mismatch(words)
+        return rows[:, HEAD:HEAD + n]
 
     def close(self) -> None:
         """Free the communicators (a broken leg's are left: a peer may be gone)."""
