@@ -684,6 +684,24 @@ int cpuddp_shm_layout_count(void) { return (int)(sizeof LAYOUT / sizeof LAYOUT[0
 const char *cpuddp_shm_layout_name(int i) { return i >= 0 && i < cpuddp_shm_layout_count() ? LAYOUT[i].name : 0; }
 int64_t cpuddp_shm_layout_value(int i) { return i >= 0 && i < cpuddp_shm_layout_count() ? LAYOUT[i].value : 0; }
 
+/* are the call's two tensors apart, as its rounds need?  all_gather's input may be exactly this
+ * rank's row of the output and share no other byte with it; reduce_scatter's share none (a
+ * round writes the output while later rounds still read the input).  By address: two storages
+ * may hold one memory */
+static int apart(const ctx_t *c, const op_t *p, const void *a, const void *b) {
+    int64_t an, bn;
+    if (p->kind == K_ALL_GATHER) {
+        if ((const char *)b == (const char *)a + (int64_t)c->me * p->numel) return 1;
+        an = (int64_t)c->n * p->numel, bn = p->numel;
+    } else if (p->kind == K_REDUCE_SCATTER && c->n > 1) { /* one rank: no round, a memmove */
+        an = p->m * p->esize, bn = (int64_t)c->n * p->m * p->esize;
+    } else {
+        return 1;
+    }
+    uintptr_t a0 = (uintptr_t)a, b0 = (uintptr_t)b;
+    return an <= 0 || bn <= 0 || a0 + (uintptr_t)an <= b0 || b0 + (uintptr_t)bn <= a0;
+}
+
 /* run one collective: a and b are the call's tensors (b: the input of all_gather and
  * reduce_scatter), both checked by the binding against the entry's sizes */
 /* set c->op up for one call: a and b are the call's tensors (b: the input of all_gather and
@@ -710,6 +728,7 @@ static int prepare(ctx_t *c, const entry_t *en, void *a, void *b, int64_t slice_
         p->fn = pick(c->isa, p->op, p->dtype);
         if (!p->fn || !p->esize) return RC_ARG;
     }
+    if (!apart(c, p, a, b)) return RC_ARG; /* the binding never passes such tensors: refused, not copied */
     if (p->kind == K_ALL_GATHER && p->numel && (char *)a + (int64_t)c->me * p->numel != (char *)b)
         memcpy((char *)a + (int64_t)c->me * p->numel, b, (size_t)p->numel); /* this rank's own row */
     if (p->kind == K_REDUCE_SCATTER && c->n == 1 && p->m && a != b)

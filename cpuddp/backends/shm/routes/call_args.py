@@ -8,7 +8,7 @@ and so on.  Each helper here accepts both.
 
 from __future__ import annotations
 
-from typing import Any, List, Sequence
+from typing import Any, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,8 @@ from cpuddp.errors import BackendError
 
 from ..protocol.descriptor import ANY, Pinned
 
-__all__ = ["one_tensor", "reduce_op", "options", "overlaps", "split_rows", "same_as_input", "root_of", "one_dtype"]
+__all__ = ["one_tensor", "reduce_op", "options", "span", "overlaps", "overlaps_dense", "overlaps_elsewhere", "split_rows",
+           "same_as_input", "root_of", "one_dtype"]
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -66,17 +67,45 @@ def options(cls: Any, **values: Any) -> Any:
     return o
 
 
+def span(t: torch.Tensor) -> Tuple[int, int]:
+    """The addresses ``[start, end)`` that ``t``'s elements lie between (a tensor with elements)."""
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + t.nbytes
+    low = high = 0
+    for size, stride in zip(t.shape, t.stride()):
+        if stride > 0:
+            high += (size - 1) * stride
+        else:
+            low += (size - 1) * stride
+    es = t.element_size()
+    return start + low * es, start + (high + 1) * es
+
+
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Do two tensors share bytes?"""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    """Do two tensors share bytes?  Asked of their addresses, not their storages: two storages
+    may hold one memory (two ``torch.from_numpy`` views of one array, ``torch.frombuffer`` views
+    of one buffer), and a collective that read one while writing the other gave wrong sums."""
+    if a.is_contiguous() and b.is_contiguous():
+        return overlaps_dense(a, b)
+    if not a.numel() or not b.numel():
         return False
+    a0, a1 = span(a)
+    b0, b1 = span(b)
+    return a0 < b1 and b0 < a1
+
+
+def overlaps_dense(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """:func:`overlaps` of two contiguous tensors (the direct route's per-call check: two
+    addresses and two sizes)."""
     a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+    an, bn = a.nbytes, b.nbytes
+    return a0 < b0 + bn and b0 < a0 + an and an > 0 < bn
 
 
 def overlaps_elsewhere(output: torch.Tensor, inp: torch.Tensor, rank: int) -> bool:
     """Does an all_gather's input share bytes with its output other than as row ``rank``?"""
-    own = output.data_ptr() + rank * inp.numel() * inp.element_size()
+    own = output.data_ptr() + rank * inp.nbytes
     return bool(inp.numel()) and inp.data_ptr() != own and overlaps(output, inp)
 
 

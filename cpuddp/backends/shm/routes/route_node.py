@@ -138,12 +138,24 @@ class NodeRoute(Route):
         with contextlib.ExitStack() as stack:
             fin = flat_bytes(stack.enter_context(staged(inp, out=False)))
             flats = [flat_bytes(stack.enter_context(staged(o, out=True))) for o in outs]
-            self.data.all_gather(fin, flats)
+            self.data.all_gather(self._apart(fin, flats), flats)
+
+    def _apart(self, fin: torch.Tensor, flats: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``fin``, or a copy of it where it shares bytes with an output other than as this
+        rank's own output exactly: the engine writes the outputs while it still reads ``fin``."""
+        for r, out in enumerate(flats):
+            mine = r == self.rank and out.data_ptr() == fin.data_ptr() and out.nbytes == fin.nbytes
+            if not mine and call_args.overlaps(out, fin):
+                return fin.clone()
+        return fin
 
     def _all_gather_single(self, output: torch.Tensor, inp: torch.Tensor) -> None:
         with staged(output, out=True) as flat, staged(inp, out=False) as fin:
             rows = [flat_bytes(flat)] * self.size if not inp.numel() else self._rows(flat)
-            self.data.all_gather(flat_bytes(fin), rows)
+            fin = flat_bytes(fin)
+            if call_args.overlaps_elsewhere(flat_bytes(flat), fin, self.rank):
+                fin = fin.clone()  # the engine writes the other rows while it still reads the input
+            self.data.all_gather(fin, rows)
 
     def _check_all_gather_single(self, output: Any, inp: Any) -> None:
         check_tensors([output, inp], "all_gather_single")
@@ -194,7 +206,7 @@ class NodeRoute(Route):
         with contextlib.ExitStack() as stack:
             fin = flat_bytes(stack.enter_context(staged(inp, out=False)))
             flats = [flat_bytes(stack.enter_context(staged(o, out=True))) for o in outs] if outs else None
-            self._leg_gather(fin, flats, root)
+            self._leg_gather(self._apart(fin, flats) if flats else fin, flats, root)
 
     # ------------------------------------------------------------------ reduce_scatter, scatter
 

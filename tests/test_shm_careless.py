@@ -1,0 +1,143 @@
+"""What a careless call does on the shm backend: the public API used as a red team would, at 2
+ranks, on the native data path and the Python one (``CPUDDP_SHM_NATIVE=1``/``0``; CI runs this
+file again under AddressSanitizer, .ci/native.sh).  Each ends in the right result or a clear
+error, never a wrong sum with exit 0, a crash, a wait until the timeout or a message that blames
+the wrong thing:
+
+* input and output of all_gather / reduce_scatter that share memory through two storages (two
+  ``torch.from_numpy`` views of one array, ``torch.frombuffer`` views of one buffer): the right
+  result (both paths summed wrong, the native one ran an overlapping ``memcpy``);
+* a tensor queued on the group's thread (``CPUDDP_SHM_ASYNC=1``) resized, or given other memory,
+  before ``wait()``: ``resize_`` refused, ``wait()`` naming the change (the native thread read
+  and wrote freed memory: SIGSEGV);
+* two threads calling one group's collectives at once: the error names them (it read "call
+  #N differs", or "refused a call (7) ...; this is a bug");
+* ranks creating their subgroups in different orders: cpuddp's stall error naming the group,
+  the ranks not there and the likely causes (torch's bare ``DistStoreError: wait timeout``);
+* a process of the job's own user that truncates the segment through ``/proc/<pid>/fd``, or
+  writes over its header: refused, or an error saying the header was overwritten (SIGBUS on every
+  rank; "local rank -1923101111149478831 gave up").
+
+Every test starts real ranks with a timeout (run_distributed).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+from cpuddp.testing import run_distributed
+
+pytestmark = pytest.mark.slow
+
+PATHS = {"native": {"CPUDDP_SHM_NATIVE": "1"}, "python": {"CPUDDP_SHM_NATIVE": "0"}}
+
+
+def _env(path: str, **more: str) -> dict:
+    if path == "native":
+        from cpuddp.backends.shm import native
+
+        try:
+            native.load()
+        except native.Unavailable as exc:
+            pytest.skip(f"no native library here: {exc}")
+    return {**PATHS[path], **more}
+
+
+def _group():
+    import torch.distributed as dist
+
+    return dist.distributed_c10d._get_default_group()
+
+
+# --------------------------------------------------------------------------- one memory, two storages
+
+
+def _views(kind: str, n: int):
+    """``view(start, count)``: float32 tensors over one memory of ``n`` floats, each view a storage
+    of its own (``numpy``: ``torch.from_numpy`` of a slice; ``buffer``: ``torch.frombuffer``)."""
+    import numpy as np
+    import torch
+
+    if kind == "numpy":
+        arr = np.zeros(n, dtype=np.float32)
+        return lambda start, count: torch.from_numpy(arr[start:start + count])
+    buf = bytearray(4 * n)
+    return lambda start, count: torch.frombuffer(buf, dtype=torch.float32, offset=4 * start, count=count)
+
+
+def _overlapping(kind: str) -> dict:
+    """all_gather and reduce_scatter whose input shares memory with the output other than as this
+    rank's own row, through different storages; 3,000 floats a row (with a 4 KiB slot: many rounds)
+    and 70,000 (big enough to be queued with the progress thread on)."""
+    import torch
+    import torch.distributed as dist
+
+    r, n = dist.get_rank(), dist.get_world_size()
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    out = {}
+    for k in (3000, 70000):
+        rows = torch.cat([torch.arange(k, dtype=torch.float32) + 1e5 * i for i in range(n)])
+        view = _views(kind, n * k + k)
+        got, inp = view(0, n * k), view(k // 2, k)  # the input straddles rows 0 and 1
+        inp.copy_(rows[r * k:(r + 1) * k])
+        gather(got, inp)
+        out[f"all_gather_single {k}"] = bool(torch.equal(got, rows))
+        outs, inp = [view(i * k, k) for i in range(n)], view(k // 2, k)
+        inp.copy_(rows[r * k:(r + 1) * k])
+        dist.all_gather(outs, inp)
+        out[f"all_gather {k}"] = bool(torch.equal(torch.cat(outs), rows))
+        whole, part = view(0, n * k), view(k // 2, k)  # the output lies inside the input, off its own part
+        whole.copy_(rows * (r + 1))
+        scatter(part, whole)
+        out[f"reduce_scatter_single {k}"] = bool(torch.equal(part, rows[r * k:(r + 1) * k] * sum(range(1, n + 1))))
+    return out
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+@pytest.mark.parametrize("thread", ["0", "1"])
+@pytest.mark.parametrize("kind", ["numpy", "buffer"])
+def test_inputs_and_outputs_sharing_memory_through_two_storages_give_the_right_result(path, thread, kind):
+    """Fails before the fix on both paths (a row's or a part's values from the other rank's, or
+    this rank's own written back early), and under ASan with memcpy-param-overlap in engine.c."""
+    env = _env(path, CPUDDP_SHM_ASYNC=thread, CPUDDP_SHM_SLOT="4K")
+    for res in run_distributed(_overlapping, 2, args=(kind,), backend="shm", timeout=120, env=env):
+        assert all(res.values()), res
+
+
+def _refused_by_the_library() -> dict:
+    """The library itself refuses an all_gather whose input overlaps its output other than as
+    this rank's row (the binding never passes one): an error, and nothing copied or posted."""
+    import torch
+    import torch.distributed as dist
+
+    from cpuddp.backends.shm.protocol.descriptor import encode
+    from cpuddp.backends.shm.python.ops import flat_bytes
+
+    g, k = _group(), 64
+    nat = g._native
+    out = torch.zeros(2 * k)
+    before = out.clone()
+    inp = out[k // 2:k // 2 + k]
+    call = encode("all_gather_single", [inp])
+    try:
+        nat.run(call, nat.all_gather(call, flat_bytes(out), flat_bytes(inp)))
+        said = "ran"
+    except Exception as exc:  # noqa: BLE001 - the refusal is the result
+        said = str(exc)
+    t = torch.ones(4)
+    dist.all_reduce(t)  # nothing was posted: the group goes on
+    return {"said": said, "untouched": bool(torch.equal(out, before)), "after": t.tolist()}
+
+
+def test_the_library_refuses_overlapping_arguments_itself():
+    """Fails before the fix: the library copied the input into this rank's row over itself (ASan:
+    memcpy-param-overlap) and ran the call."""
+    for res in run_distributed(_refused_by_the_library, 2, backend="shm", timeout=60, env=_env("native")):
+        assert "refused a call (7)" in res["said"], res
+        assert res["untouched"] and res["after"] == [2.0] * 4, res
