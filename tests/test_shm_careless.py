@@ -141,3 +141,95 @@ def test_the_library_refuses_overlapping_arguments_itself():
     for res in run_distributed(_refused_by_the_library, 2, backend="shm", timeout=60, env=_env("native")):
         assert "refused a call (7)" in res["said"], res
         assert res["untouched"] and res["after"] == [2.0] * 4, res
+
+
+# --------------------------------------------------------------------------- a queued tensor changed
+
+
+def _changed_while_queued(how: str, behind: bool) -> dict:
+    """Rank 0 queues an all_reduce of 1 MiB (rank 1 calls 0.5 s late, so it waits queued), then
+    resizes the tensor or gives it other memory before ``wait()``: 0.1 s after the call (its
+    thread has started it), or at once with another call queued ahead of it (``behind``: the
+    Python path's thread has not started it)."""
+    import torch
+    import torch.distributed as dist
+
+    from cpuddp.backends.shm.routes import hold
+
+    rank, n = dist.get_rank(), 1 << 18
+    t = torch.ones(n)
+    if rank == 1:
+        time.sleep(0.5)
+    ahead = dist.all_reduce(torch.ones(n), async_op=True) if behind else None
+    work = dist.all_reduce(t, async_op=True)
+    out = {"resize": "not tried"}
+    if rank == 0:
+        if not behind:
+            time.sleep(0.1)
+        try:
+            if how == "resize":
+                t.resize_(4 * n)
+            else:
+                t.data = torch.zeros(n)
+            out["resize"] = "allowed"
+        except RuntimeError as exc:
+            out["resize"] = str(exc)
+    out["wait"] = _outcome(work)
+    if ahead is not None:
+        _outcome(ahead)
+    out["values"] = sorted(set(t[:n].tolist()))
+    t.resize_(4 * n)  # its storage resizable again once the call completed
+    again = torch.ones(8)
+    said = _outcome(lambda: dist.all_reduce(again))
+    out["after"], out["lent"] = again.tolist() if said == "ok" else said, hold.lent()
+    return out
+
+
+def _outcome(work) -> str:
+    try:
+        work() if callable(work) else work.wait()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001
+        return str(exc)
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_a_queued_tensor_that_is_resized_before_wait_is_refused_and_the_sum_is_right(path):
+    """Fails before the fix: on the native path the progress thread read and wrote the freed
+    memory (SIGSEGV, glibc's "corrupted double-linked list"; ASan: heap-use-after-free in
+    kernels.h); on the Python path the call went on over the tensor's new memory."""
+    env = _env(path, CPUDDP_SHM_ASYNC="1")
+    r0, r1 = run_distributed(_changed_while_queued, 2, args=("resize", False), backend="shm", timeout=120, env=env)
+    assert "not resizable" in r0["resize"], r0
+    for r in (r0, r1):
+        assert r["wait"] == "ok" and r["values"] == [2.0] and r["after"] == [2.0] * 8 and r["lent"] == 0, r
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_a_queued_tensor_given_other_memory_before_wait_makes_wait_say_so(path):
+    """Fails before the fix: on the native path the tensor's storage was freed under the queued
+    call (SIGSEGV); on the Python path wait() said nothing and the tensor held no sum."""
+    env = _env(path, CPUDDP_SHM_ASYNC="1")
+    r0, r1 = run_distributed(_changed_while_queued, 2, args=("data", False), backend="shm", timeout=120, env=env)
+    assert r0["resize"] == "allowed" and "was given other memory" in r0["wait"] and "wait()" in r0["wait"], r0
+    assert r0["values"] == [0.0], r0  # what it was given; the sum went to the memory it had
+    assert r1["wait"] == "ok" and r1["values"] == [2.0], r1
+    for r in (r0, r1):
+        assert r["after"] == [2.0] * 8 and r["lent"] == 0, r  # the group goes on
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_a_tensor_changed_before_its_queued_call_ran_is_refused_or_named(path):
+    """Behind another queued call: the native thread took the tensor's memory when the call was
+    made (the sum goes there; wait() names the change); the Python thread has not started it and
+    refuses it (the peers, waiting for it, stop too).  Fails before the fix: a SIGSEGV (native),
+    or rank 0 moved other memory than the ranks agreed on (Python)."""
+    env = _env(path, CPUDDP_SHM_ASYNC="1")
+    r0, r1 = run_distributed(_changed_while_queued, 2, args=("data", True), backend="shm", timeout=120, env=env)
+    assert r0["resize"] == "allowed" and r0["lent"] == r1["lent"] == 0, (r0, r1)
+    if path == "native":
+        assert "was given other memory" in r0["wait"] and "before its Work's wait()" in r0["wait"], r0
+        assert r1["wait"] == "ok" and r1["values"] == [2.0] and r0["after"] == [2.0] * 8, (r0, r1)
+    else:
+        assert "before it ran: refused" in r0["wait"], r0
+        assert "gave up" in r1["wait"], r1

@@ -24,6 +24,7 @@ from cpuddp.errors import BackendError, GroupShutDownError
 
 from ..protocol.descriptor import encode
 from ..python.ops import dense
+from .hold import Held
 from .stream import ASYNC_FROM
 
 __all__ = ["Executor"]
@@ -72,7 +73,7 @@ class Executor:
             body()
             ch.settle()  # a call with no round (nothing to move) is compared here
 
-        return self._stream.run(run, result, lambda: _nbytes(agreed))
+        return self._stream.run(run, result, lambda: _nbytes(agreed), lambda: Held(kind, (agreed, result)))
 
     def run_native(self, kind: str, agreed: Sequence[Any], run: Callable[[Any], None], result: Any, *,
                    op: Any = None, root: Optional[int] = None) -> Any:
@@ -83,7 +84,8 @@ class Executor:
         call = encode(kind, agreed, op=None if op is None else int(op), root=root)
         progress = self._progress
         if progress is None:
-            return self._stream.run(lambda: run(call), result, lambda: _nbytes(agreed))
+            return self._stream.run(lambda: run(call), result, lambda: _nbytes(agreed),
+                                    lambda: Held(kind, (agreed, result)))
         progress.drain()  # issue order: the queued calls first
 
         def after_the_queue() -> None:
@@ -103,14 +105,20 @@ class Executor:
     def submit_native(self, kind: str, agreed: Sequence[Any], job: Callable[[Any], Any], result: Any, *,
                       keep: Sequence[Any] = (), op: Any = None, root: Optional[int] = None) -> Any:
         """Queue one native call on the progress thread: an unfinished Work at once.  Held until
-        it completes: ``agreed``, ``result`` and ``keep`` -- every tensor ``job`` hands the
+        it completes (:class:`~cpuddp.backends.shm.routes.hold.Held`, before ``job`` takes their
+        addresses): ``agreed``, ``result`` and ``keep`` -- every tensor ``job`` hands the
         library an address of (an input that is neither, such as reduce_scatter's, goes in
         ``keep``: freed while queued, the thread would read unmapped memory)."""
         self.usable()
         self._life.check_not_broken()
         call = encode(kind, agreed, op=None if op is None else int(op), root=root)
         with self._stream.exec_lock:
-            return self._progress.submit(call, job(call), result, (agreed, result, keep))  # type: ignore[union-attr]
+            held = Held(kind, (agreed, result, keep))
+            try:
+                return self._progress.submit(call, job(call), result, held)  # type: ignore[union-attr]
+            except BaseException:
+                held.release()
+                raise
 
     def local_rank_of(self, rank: int) -> int:
         """This node's local rank of group rank ``rank`` (single-node groups)."""

@@ -6,8 +6,11 @@ GIL-free native call.
 Ctrl-C stays the main thread's) and its queue of 64 calls; :meth:`Progress.submit` hands it a
 call's job -- its prepared entry and its tensors' addresses -- and returns an unfinished
 :class:`~cpuddp.backends.shm.routes.stream.ShmWork` at once, so DDP's reducer and FSDP2's prefetch go
-on while the data moves.  The submitted tensors (and the call's result) are held here until
-the call completes: nothing a queued call reads or writes is freed under it.  One Python thread
+on while the data moves.  What a queued call reads and writes is held until it completes
+(:class:`~cpuddp.backends.shm.routes.hold.Held`, made before its addresses are taken: the
+tensors, their storages, and their memory, lent back so that ``t.resize_()`` is refused): nothing
+it uses is freed under it, and a tensor given other memory meanwhile (``t.data = ...``) makes
+its Work raise, naming that, instead of reporting a result the tensor does not hold.  One Python thread
 (``cpuddp-shm-wait-<rank>``) waits for each call in turn inside ``cpuddp_shm_wait`` (ctypes
 releases the GIL; it wakes every 0.1 s to see whether the group closed), then completes its
 future -- or sets the error the inline call would raise, and breaks the group.  Nothing runs on
@@ -35,7 +38,7 @@ import ctypes
 import os
 import threading
 import weakref
-from typing import Any, Callable, Dict, Sequence, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
@@ -58,10 +61,10 @@ def _stop_all() -> None:
 
 
 class _Job:
-    __slots__ = ("call", "fut", "result", "keep")
+    __slots__ = ("call", "fut", "result", "held")
 
-    def __init__(self, call: Any, fut: Any, result: Any, keep: Sequence[Any]):
-        self.call, self.fut, self.result, self.keep = call, fut, result, keep
+    def __init__(self, call: Any, fut: Any, result: Any, held: Any):
+        self.call, self.fut, self.result, self.held = call, fut, result, held
 
 
 class Progress:
@@ -91,9 +94,10 @@ class Progress:
         """Calls queued and not completed (their futures not yet set)."""
         return len(self._jobs)
 
-    def submit(self, call: Any, job: Tuple[Any, Any, Any], result: Any, keep: Sequence[Any]) -> Any:
+    def submit(self, call: Any, job: Tuple[Any, Any, Any], result: Any, held: Any) -> Any:
         """Queue ``job`` (a :class:`~cpuddp.backends.shm.native.Engine` collective's); an
-        unfinished Work at once.  ``keep``: what must stay alive until the call completes."""
+        unfinished Work at once.  ``held``: its :class:`~cpuddp.backends.shm.routes.hold.Held`,
+        released when the call completes (the caller releases it if this raises)."""
         from .stream import ShmWork
 
         fut: "torch.futures.Future[Any]" = torch.futures.Future()
@@ -112,7 +116,7 @@ class Progress:
             if oldest is not None:
                 oldest.wait()
         with self._cv:
-            self._jobs[ticket] = _Job(call, fut, result, keep)
+            self._jobs[ticket] = _Job(call, fut, result, held)
             self._cv.notify_all()
         return ShmWork(fut)
 
@@ -162,8 +166,12 @@ class Progress:
             ticket += 1
 
     def _finish(self, job: _Job, rc: int, err: Any) -> None:
+        changed = job.held.release()  # before its future: a callback sees its tensors as they were
         if rc == RC_OK:
-            job.fut.set_result(job.result)
+            if changed is None:
+                job.fut.set_result(job.result)
+            else:  # the call ran on every rank: this rank's tensor no longer shows its result
+                job.fut.set_exception(changed)
             return
         exc = self.engine.error(rc, job.call, int(err[0]), int(err[1]), int(err[2]))
         self.on_error(exc)

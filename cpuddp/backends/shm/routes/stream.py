@@ -175,9 +175,11 @@ class Stream:
         """Held while a collective runs (one at a time, in issue order)."""
         return self._exec
 
-    def run(self, fn: Callable[[], None], result: Any, nbytes: Callable[[], int]) -> ShmWork:
+    def run(self, fn: Callable[[], None], result: Any, nbytes: Callable[[], int],
+            hold: Optional[Callable[[], Any]] = None) -> ShmWork:
         """Run ``fn`` (one collective) and return its Work; ``nbytes()``: the bytes it moves
-        (asked only with the communication thread on)."""
+        (asked only with the communication thread on); ``hold()``: what a queued call holds
+        until it ran (:class:`~cpuddp.backends.shm.routes.hold.Held`; asked only when queued)."""
         with self._lock:
             if self._closed:
                 raise dist.DistBackendError("the shm process group was shut down")
@@ -185,7 +187,7 @@ class Stream:
             if queued:
                 fut: torch.futures.Future = torch.futures.Future()
                 self._pending += 1
-                self._q.put((fn, result, fut))
+                self._q.put((fn, result, fut, hold() if hold is not None else None))
                 return ShmWork(fut)
             self._exec.acquire()
         try:
@@ -205,16 +207,21 @@ class Stream:
             item = q.get()
             if item is None:
                 return
-            fn, result, fut = item
+            fn, result, fut, held = item
             error: Optional[BaseException] = None
             with self._exec:
                 try:
+                    if held is not None and held.changed():  # its peers wait for the call as it was made
+                        raise held.refused()
                     fn()
                 except BaseException as exc:  # every error reaches the caller's wait()
                     self._on_error(exc)
                     error = exc
             with self._lock:
                 self._pending -= 1
+            changed = held.release() if held is not None else None
+            if error is None and changed is not None:  # it ran on every rank: this tensor no longer shows it
+                error = changed
             if error is None:
                 fut.set_result(result)
             else:
