@@ -233,3 +233,56 @@ def test_a_tensor_changed_before_its_queued_call_ran_is_refused_or_named(path):
     else:
         assert "before it ran: refused" in r0["wait"], r0
         assert "gave up" in r1["wait"], r1
+
+
+# --------------------------------------------------------------------------- two threads on one group
+
+
+def _two_threads() -> dict:
+    """Two threads call one group's collectives at once, in different orders on the two ranks:
+    on rank 0 a big all_reduce is queued (rank 1 has called nothing yet) when a small one comes
+    from the other thread; rank 1's small one comes first.  The calls differ between the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    rank, errors = dist.get_rank(), {}
+    dist.barrier()
+    start = time.monotonic()
+
+    def at(seconds: float) -> None:
+        time.sleep(max(0.0, start + seconds - time.monotonic()))
+
+    def big() -> None:
+        at(0.0 if rank == 0 else 0.8)
+        try:
+            dist.all_reduce(torch.ones(1 << 18), async_op=True).wait()
+        except Exception as exc:  # noqa: BLE001
+            errors["big"] = str(exc)
+
+    def small() -> None:
+        at(0.3 if rank == 0 else 0.6)
+        try:
+            dist.all_reduce(torch.ones(10))
+        except Exception as exc:  # noqa: BLE001
+            errors["small"] = str(exc)
+
+    threads = [threading.Thread(target=f, name=f.__name__) for f in (big, small)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return errors
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+@pytest.mark.parametrize("thread", ["1", "0"])
+def test_two_threads_calling_one_group_at_once_are_named(path, thread):
+    """Fails before the fix: rank 0 read only that call #N differs between the ranks (with the
+    progress thread, before the engine's review: "refused a call (7) ...; this is a bug")."""
+    env = _env(path, CPUDDP_SHM_ASYNC=thread)
+    r0, r1 = run_distributed(_two_threads, 2, backend="shm", timeout=120, env=env)
+    assert set(r0) == {"big", "small"} and r1, (r0, r1)  # an error on every rank
+    for said in r0.values():  # rank 0 saw both threads at once; its errors say so
+        assert "two threads called collectives on this shm group at once" in said, r0
+        assert "'big'" in said or "'small'" in said, r0
+        assert "this is a bug" not in said, r0

@@ -165,7 +165,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
                                   self._eng.ch if self._eng is not None else None)
         #: the direct route: torch's call to one native call (native groups that queue nothing)
         self._direct = (Direct(self._native, self._life, self._eng.ch.seg, self._stream.exec_lock,  # type: ignore[union-attr]
-                               self._on_error, self._plan.local)  # type: ignore[union-attr]
+                               self._on_error, self._plan.local, self._stream.crowded)  # type: ignore[union-attr]
                         if self._native is not None and self._stream.inline and self._progress is None
                         and self._hier is None else None)
         #: the route every collective takes (cpuddp.backends.shm.routes.route), chosen once: its methods
@@ -263,6 +263,8 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         return NAME
 
     def _on_error(self, exc: BaseException) -> None:
+        if getattr(self, "_stream", None) is not None:
+            self._stream.name_crowd(exc)  # two threads that called at once are named first
         if self._eng is not None:
             self._eng.ch.fail(str(exc))
 

@@ -38,11 +38,14 @@ _AVG_CODE = int(torch.distributed.ReduceOp.RedOpType.AVG)
 class Direct:
     """One group's direct route (see the module docstring)."""
 
-    def __init__(self, engine: Any, life: Any, seg: Any, lock: Any, on_error: Any, local: Sequence[int]) -> None:
-        """``local``: the group's ranks in local-rank order (a single-node group: all of them)."""
+    def __init__(self, engine: Any, life: Any, seg: Any, lock: Any, on_error: Any, local: Sequence[int],
+                 crowded: Any = lambda: None) -> None:
+        """``local``: the group's ranks in local-rank order (a single-node group: all of them);
+        ``crowded()``: this thread found ``lock`` held by another (two threads call at once)."""
         from ..protocol.channel import State
 
         self.engine, self.life, self.seg, self.lock, self.on_error = engine, life, seg, lock, on_error
+        self.crowded = crowded
         self._local = {rank: i for i, rank in enumerate(local)}
         self._n = len(local)
         self._live = State.LIVE
@@ -88,14 +91,19 @@ class Direct:
         return self._finished(tensors)
 
     def _run(self, call: Any, prepared: Any, a: Any, b: Any) -> None:
-        with self.lock:
-            try:
-                rc = self._call(self._ctx, prepared, a, b)
-                if rc:
-                    self.engine.done(rc, call)
-            except BaseException as exc:
-                self.on_error(exc)
-                raise
+        lock = self.lock
+        if not lock.acquire(False):  # another thread's call runs: two threads call at once
+            self.crowded()
+            lock.acquire()
+        try:
+            rc = self._call(self._ctx, prepared, a, b)
+            if rc:
+                self.engine.done(rc, call)
+        except BaseException as exc:
+            self.on_error(exc)
+            raise
+        finally:
+            lock.release()
 
     def _usable(self) -> bool:
         return self.life.state is self._live and not self.seg.forked

@@ -64,6 +64,7 @@ class Executor:
         call = encode(kind, agreed, op=None if op is None else int(op), root=root)
         progress = self._progress
         if progress is not None:
+            self._crowded()
             progress.drain()  # issue order: the queued calls first
 
         def run() -> None:
@@ -86,6 +87,7 @@ class Executor:
         if progress is None:
             return self._stream.run(lambda: run(call), result, lambda: _nbytes(agreed),
                                     lambda: Held(kind, (agreed, result)))
+        self._crowded()
         progress.drain()  # issue order: the queued calls first
 
         def after_the_queue() -> None:
@@ -112,13 +114,26 @@ class Executor:
         self.usable()
         self._life.check_not_broken()
         call = encode(kind, agreed, op=None if op is None else int(op), root=root)
-        with self._stream.exec_lock:
+        self._crowded()
+        stream = self._stream
+        stream.take_exec()
+        try:
             held = Held(kind, (agreed, result, keep))
             try:
                 return self._progress.submit(call, job(call), result, held)  # type: ignore[union-attr]
             except BaseException:
                 held.release()
                 raise
+        finally:
+            stream.exec_lock.release()
+
+    def _crowded(self) -> None:
+        """Another thread's calls are queued on the progress thread: two threads call at once."""
+        progress = self._progress
+        if progress is not None and progress.pending():
+            others = progress.others()
+            if others:
+                self._stream.crowded(*others)
 
     def local_rank_of(self, rank: int) -> int:
         """This node's local rank of group rank ``rank`` (single-node groups)."""

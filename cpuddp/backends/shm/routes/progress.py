@@ -61,10 +61,12 @@ def _stop_all() -> None:
 
 
 class _Job:
-    __slots__ = ("call", "fut", "result", "held")
+    __slots__ = ("call", "fut", "result", "held", "thread")
 
     def __init__(self, call: Any, fut: Any, result: Any, held: Any):
         self.call, self.fut, self.result, self.held = call, fut, result, held
+        me = threading.current_thread()
+        self.thread = (me.ident, me.name)  # who queued it
 
 
 class Progress:
@@ -119,6 +121,12 @@ class Progress:
             self._jobs[ticket] = _Job(call, fut, result, held)
             self._cv.notify_all()
         return ShmWork(fut)
+
+    def others(self) -> Tuple[str, ...]:
+        """The threads other than this one whose calls are queued and not completed."""
+        me = threading.get_ident()
+        with self._cv:
+            return tuple({job.thread[1]: None for job in self._jobs.values() if job.thread[0] != me})
 
     def _oldest(self) -> Any:
         """The oldest queued call's future, or None when none is queued."""

@@ -23,12 +23,12 @@ import datetime
 import os
 import queue
 import threading
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from cpuddp.errors import BackendError
+from cpuddp.errors import BackendError, CpuddpError
 
 from ..protocol.wait import spin_until
 
@@ -148,6 +148,19 @@ class TimedWork(ShmWork):
         return True
 
 
+#: how the note on two threads that called at once begins
+_CROWD = "two threads called collectives on this shm group at once"
+
+
+def _prefix(exc: BaseException, note: str) -> None:
+    """Put ``note`` before ``exc``'s message (a cpuddp error's ``msg``, else its first argument)."""
+    if isinstance(exc, CpuddpError):
+        exc.msg = note + exc.msg.replace("; this is a bug", "")
+        exc.args = (str(CpuddpError(exc.msg, fix=exc.fix)),)  # its message and fix, rendered as errors.py does
+    elif exc.args and isinstance(exc.args[0], str):
+        exc.args = (note + exc.args[0].replace("; this is a bug", ""), *exc.args[1:])
+
+
 class Stream:
     """Runs a group's collectives one at a time, in issue order: inline, or on its thread."""
 
@@ -155,6 +168,9 @@ class Stream:
                  thread_setup: Callable[[], None]) -> None:
         self._lock = threading.Lock()  # the queue's state
         self._exec = threading.Lock()  # one collective at a time
+        self._crowd: Dict[str, None] = {}  # threads seen calling collectives at once (crowded), in order
+        self._queued_by: Dict[int, Any] = {}  # the thread of each call queued and not run yet, by ticket
+        self._tickets = 0
         self._on_error = on_error
         self._pending = 0
         self._closed = False
@@ -184,12 +200,17 @@ class Stream:
             if self._closed:
                 raise dist.DistBackendError("the shm process group was shut down")
             queued = self._thread is not None and (self._pending or nbytes() >= ASYNC_FROM)
+            if self._queued_by:
+                self._met_queued()
             if queued:
                 fut: torch.futures.Future = torch.futures.Future()
                 self._pending += 1
-                self._q.put((fn, result, fut, hold() if hold is not None else None))
+                self._tickets += 1
+                me = threading.current_thread()
+                self._queued_by[self._tickets] = (me.ident, me.name)
+                self._q.put((fn, result, fut, hold() if hold is not None else None, self._tickets))
                 return ShmWork(fut)
-            self._exec.acquire()
+            self.take_exec()
         try:
             fn()
         except BaseException as exc:
@@ -207,7 +228,7 @@ class Stream:
             item = q.get()
             if item is None:
                 return
-            fn, result, fut, held = item
+            fn, result, fut, held, ticket = item
             error: Optional[BaseException] = None
             with self._exec:
                 try:
@@ -219,6 +240,7 @@ class Stream:
                     error = exc
             with self._lock:
                 self._pending -= 1
+                self._queued_by.pop(ticket, None)
             changed = held.release() if held is not None else None
             if error is None and changed is not None:  # it ran on every rank: this tensor no longer shows it
                 error = changed
@@ -226,6 +248,40 @@ class Stream:
                 fut.set_result(result)
             else:
                 fut.set_exception(error if isinstance(error, Exception) else dist.DistBackendError(str(error)))
+
+    # ------------------------------------------------------------------ two threads at once
+
+    def take_exec(self) -> None:
+        """Take the exec lock (one collective at a time); finding it held by another thread is
+        two threads calling this group's collectives at once (:meth:`crowded`)."""
+        if not self._exec.acquire(False):
+            self.crowded()
+            self._exec.acquire()
+
+    def crowded(self, *others: str) -> None:
+        """This thread called a collective while another thread's (``others``, where known) ran or
+        was queued: remembered, and every error from then on says so first (:meth:`name_crowd`)."""
+        self._crowd.update(dict.fromkeys((*others, threading.current_thread().name)))
+
+    def _met_queued(self) -> None:
+        me = threading.get_ident()
+        others = [name for ident, name in self._queued_by.values() if ident != me]
+        if others:
+            self.crowded(*others)
+
+    def name_crowd(self, exc: BaseException) -> None:
+        """Where two threads called this group's collectives at once, ``exc``'s message names that
+        first: the calls of two threads can reach the ranks in different orders, so a mismatch, a
+        refusal or a stall that follows is theirs (the message it had follows it)."""
+        if not self._crowd or _CROWD in str(exc):  # named already (the broken group's error repeats it)
+            return
+        names = [f"'{n}'" for n in self._crowd]
+        seen = f"threads {', '.join(names)}" if len(names) > 1 else f"thread {names[0]} and another"
+        note = (f"{_CROWD} ({seen}): their calls can reach "
+                "the ranks in different orders (a mismatch, or data of one thread's call summed with another's); "
+                "call a group's collectives from one thread, or give each thread a group of its own "
+                "(dist.new_group(..., backend='shm'), made by every rank in the same order). What the group saw: ")
+        _prefix(exc, note)
 
     def close(self) -> None:
         with self._lock:
