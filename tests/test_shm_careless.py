@@ -286,3 +286,35 @@ def test_two_threads_calling_one_group_at_once_are_named(path, thread):
         assert "two threads called collectives on this shm group at once" in said, r0
         assert "'big'" in said or "'small'" in said, r0
         assert "this is a bug" not in said, r0
+
+
+# --------------------------------------------------------------------------- subgroups out of order
+
+
+def _subgroups_out_of_order() -> str:
+    """Rank 0 makes new_group([0]) then new_group([0, 1]); rank 1 the reverse (group timeout 3 s)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    rank, td = dist.get_rank(), datetime.timedelta(seconds=3)
+    order = ([0], [0, 1]) if rank == 0 else ([0, 1], [0])
+    try:
+        for ranks in order:
+            dist.new_group(ranks, backend="shm", timeout=td)
+        return "formed"
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+
+
+def test_subgroups_made_in_different_orders_stop_with_cpuddps_stall_error():
+    """Fails before the fix: rank 0 waited out the store's own timeout (the job's, not the
+    group's 3 s) and got torch's bare ``DistStoreError: wait timeout ... keys: .../shm/1/who/1``."""
+    started = time.monotonic()
+    r0, r1 = run_distributed(_subgroups_out_of_order, 2, backend="shm", timeout=50)
+    assert time.monotonic() - started < 40, (r0, r1)
+    assert r0.startswith("BackendError: rank 0: the shm group of ranks [0, 1] did not form: group rank(s) [1]"), r0
+    assert "within the group timeout (3 s)" in r0 and "in different orders" in r0, r0
+    assert "rendezvous store at 127.0.0.1:" in r0 and "died or hangs" in r0, r0
+    assert "DistStoreError" not in r0, r0
+    assert "in different orders" in r1, r1  # it read the other group's offer: the hand-over's error says so

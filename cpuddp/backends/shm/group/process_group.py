@@ -73,7 +73,8 @@ from ..routes.executor import Executor
 from ..protocol.handover import map_segment
 from ..python.levels import setup_levels
 from ..python.local import LocalEngine
-from ..protocol.node import GroupName, NodePlan, check_local_size, group_name, parse_who, pin_hosts, plan_node, whoami
+from ..protocol.node import (GroupName, NodePlan, check_local_size, gather_who, group_name, pin_hosts, plan_node,
+                             whoami)
 from ..python.ops import check_tensors
 from .p2p import PeerLinks
 from ..routes.progress import Progress
@@ -184,8 +185,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
         store = dist.PrefixStore(name.prefix, store)
         mine = whoami(rank)
         store.set(f"who/{rank}", mine.to_json())
-        who = [parse_who(store.get(f"who/{r}"), f"who/{r}", r, size) for r in range(size)]
-        who = pin_hosts(who, name, mine)
+        who = pin_hosts(gather_who(store, rank, size, timeout, name), name, mine)
         plan = plan_node(who, rank)
         check_local_size(plan, self._options.local_size, rank)
         self._plan = plan

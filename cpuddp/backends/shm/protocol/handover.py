@@ -296,9 +296,10 @@ def _connect(name: str, deadline: float, busy: Callable[[], str], store: str) ->
     except OSError as exc:
         if exc.errno != errno.EAGAIN:
             raise BackendError(f"cannot reach the shared-memory hand-over socket the rendezvous store at {store} "
-                               f"names for local rank 0: {exc.strerror} (ranks with the same host identity in "
-                               "different network namespaces, or something other than this job's ranks writes to "
-                               "the store: docs/security.md)", fix=FIX) from exc
+                               f"names for local rank 0: {exc.strerror} (ranks that create their subgroups in "
+                               "different orders, so that one read another group's offer; ranks with the same host "
+                               "identity in different network namespaces; or something other than this job's ranks "
+                               "writes to the store: docs/security.md)", fix=FIX) from exc
         counts = busy()
         raise BackendError("hand-over socket busy: local rank 0's shared-memory hand-over socket kept its "
                            "listen backlog full until the group timeout, so this rank could not connect"

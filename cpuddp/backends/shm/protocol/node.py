@@ -31,9 +31,10 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 from cpuddp.errors import BackendError, RendezvousError
 from cpuddp.launchers import identity
 from cpuddp.launchers.hosts import HostRecord, layout, parse_record
-from cpuddp.launchers.store_values import STORE_FIX
+from cpuddp.launchers.store_values import STORE_FIX, stall_cause
 
-__all__ = ["NodePlan", "GroupName", "group_name", "whoami", "parse_who", "pin_hosts", "plan_node", "check_local_size"]
+__all__ = ["NodePlan", "GroupName", "group_name", "whoami", "gather_who", "parse_who", "pin_hosts", "plan_node",
+           "check_local_size"]
 
 #: (store endpoint, group) -> how many times this process formed that group on that store.
 _formed: "collections.Counter[Tuple[str, str]]" = collections.Counter()
@@ -79,6 +80,34 @@ def _as_backend_error() -> Iterator[None]:
 def whoami(rank: int) -> HostRecord:
     """Group rank ``rank``'s record: host identity, allowed CPUs, pid, PID namespace."""
     return HostRecord.here(rank, None, None, process=True)
+
+
+def gather_who(store: Any, rank: int, size: int, timeout: Any, name: GroupName) -> List[HostRecord]:
+    """Every group rank's :func:`whoami` record from the group's ``store``, checked, waited for
+    up to the group's ``timeout`` (a ``timedelta``).  A rank whose record never came is cpuddp's
+    stall error, naming the group, the ranks not there, the likely causes and the fix -- not the
+    store's bare "wait timeout"."""
+    keys = [f"who/{r}" for r in range(size)]
+    try:
+        store.wait(keys, timeout)
+    except RuntimeError as exc:  # torch's DistStoreError; a wait that ran out says "timeout"
+        if "timeout" not in str(exc).lower():
+            raise
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise _stalled(rank, missing, timeout, name) from None
+    return [parse_who(store.get(key), key, r, size) for r, key in enumerate(keys)]
+
+
+def _stalled(rank: int, missing: List[int], timeout: Any, name: GroupName) -> BackendError:
+    where = name.identity.store
+    absent = [name.members[r] for r in missing]
+    return BackendError(
+        f"rank {rank}: the shm group of ranks {list(name.members)} did not form: group rank(s) {missing} (rank(s) "
+        f"{absent} of the job) did not reach the rendezvous store at {where} within the group timeout "
+        f"({timeout.total_seconds():g} s)",
+        fix=("the ranks may create their subgroups in different orders: every rank must call dist.new_group (and "
+             "init_device_mesh) for every group, in the same order, also the ranks outside the group (torch tells "
+             "groups apart by that count); or " + stall_cause(where)))
 
 
 def parse_who(raw: bytes, key: str, rank: int, size: int) -> HostRecord:
