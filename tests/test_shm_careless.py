@@ -318,3 +318,92 @@ def test_subgroups_made_in_different_orders_stop_with_cpuddps_stall_error():
     assert "rendezvous store at 127.0.0.1:" in r0 and "died or hangs" in r0, r0
     assert "DistStoreError" not in r0, r0
     assert "in different orders" in r1, r1  # it read the other group's offer: the hand-over's error says so
+
+
+# --------------------------------------------------------------------------- the user's own processes
+
+
+_TRUNCATE = "import os, sys; os.ftruncate(os.open(sys.argv[1], os.O_RDWR), 0)"
+_SCRIBBLE = """import mmap, os, secrets, struct, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+with mmap.mmap(fd, 4096) as head:
+    words = list(struct.unpack("8q", secrets.token_bytes(64)))
+    words[4] = -1923101111149478830  # the abort word (layout.h's W_ABORT): no rank's
+    head[:64] = struct.pack("8q", *words)
+"""
+
+
+def _neighbour(script: str) -> dict:
+    """Rank 0: a process of this user opens the segment through /proc/<rank 0>/fd/<n> and runs
+    ``script`` on it; then every rank calls 20 all_reduces."""
+    import subprocess
+
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    store = dist.distributed_c10d._get_default_store()  # the ranks meet there: no segment round
+    if dist.get_rank() == 0:
+        path = f"/proc/{os.getpid()}/fd/{_group()._eng.ch.seg.fd}"
+        done = subprocess.run([sys.executable, "-c", script, path], capture_output=True, text=True, timeout=60)
+        out["neighbour"] = done.stderr.strip().splitlines()[-1] if done.returncode else "done"
+        store.set("careless/neighbour", "done")
+    store.wait(["careless/neighbour"])
+    try:
+        for _ in range(20):
+            t = torch.ones(1 << 16)
+            dist.all_reduce(t)
+            assert t.min().item() == t.max().item() == 2.0
+        out["calls"] = "right"
+    except Exception as exc:  # noqa: BLE001
+        out["calls"] = str(exc)
+    return out
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_a_process_of_the_user_cannot_truncate_the_segment(path):
+    """Fails before the fix: the truncation succeeded and both ranks died of SIGBUS at their next
+    touch of the segment, with no Python error."""
+    r0, r1 = run_distributed(_neighbour, 2, args=(_TRUNCATE,), backend="shm", timeout=60, env=_env(path))
+    assert "Operation not permitted" in r0["neighbour"], r0
+    assert r0["calls"] == r1["calls"] == "right", (r0, r1)
+
+
+@pytest.mark.parametrize("path", ["native", "python"])
+def test_random_words_over_the_segments_header_are_named_as_such(path):
+    """Fails before the fix: every rank said 'local rank -1923101111149478831 gave up'."""
+    for r in run_distributed(_neighbour, 2, args=(_SCRIBBLE,), backend="shm", timeout=60, env=_env(path)):
+        assert "segment's header was overwritten" in r["calls"], r
+        assert "-1923101111149478830" in r["calls"] and "gave up" not in r["calls"], r
+
+
+def test_the_segment_is_sealed_and_a_peer_refuses_one_that_is_not():
+    """The segment local rank 0 makes is sealed, passes its peers' checks, and cannot be
+    truncated through another descriptor; a peer refuses a look-alike that is not sealed."""
+    import fcntl
+
+    from cpuddp.backends.shm.protocol import check
+    from cpuddp.backends.shm.protocol.segment import SEALS, check_received, create_segment
+    from cpuddp.errors import BackendError
+
+    fd, token = create_segment(2, 4096)
+    other = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
+        check_received(fd, token, 2, 4096)
+        with pytest.raises(PermissionError):
+            os.ftruncate(other, 0)
+        with pytest.raises(PermissionError):
+            os.ftruncate(other, 1 << 30)
+    finally:
+        os.close(other)
+    plain = os.memfd_create("look-alike", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(plain, check.layout(2, 4096)[2])
+        os.fchmod(plain, 0o600)
+        os.pwrite(plain, os.pread(fd, 4096, 0), 0)  # its header too: only the seals differ
+        with pytest.raises(BackendError, match="is not sealed against shrinking and growing"):
+            check_received(plain, token, 2, 4096)
+    finally:
+        os.close(plain)
+        os.close(fd)

@@ -1,7 +1,8 @@
 """The node's shared segment for the shm group: made, checked, mapped, held.
 
 * :func:`create_segment` (local rank 0): an anonymous ``memfd`` -- no name in any directory, so
-  nothing another user can pre-create, substitute or find left over -- owner-only (0600), sized,
+  nothing another user can pre-create, substitute or find left over -- owner-only (0600), sized
+  and then sealed against shrinking and growing (no process can truncate it under the mappings),
   its header, control lines and rings reserved with ``posix_fallocate`` (too little memory is a
   clear error now, never a SIGBUS later), its header written (magic, a random token, size, slot).
 * Placement: each rank reserves its own two slots (``posix_fallocate`` of their ranges) when it
@@ -15,7 +16,7 @@
   :mod:`cpuddp.backends.shm.protocol.placement` says where the pages are.
 * :func:`check_received` (the other local ranks): the descriptor handed over
   (:mod:`cpuddp.backends.shm.protocol.handover`) is a regular file of this uid, mode 0600, of the size
-  the layout needs, with this group's header.  Nothing is mapped because a store value says so.
+  the layout needs, sealed, with this group's header.  Nothing is mapped because a store value says so.
 * :class:`Segment`: the mapping -- header words, per-rank control lines (arrival counter,
   posted and checked call numbers, state), descriptor rings and typed slot views; where each
   word and area lies is ``layout.h``'s (:mod:`cpuddp.backends.shm.native.layout`: ``W_*``
@@ -53,8 +54,13 @@ from ..native.layout import (C_ARRIVED, C_CHECKED, C_POSTED, DESC, HEADER_WORDS,
 from . import check as shm_check
 from .forks import close_in_forked_child
 
-__all__ = ["Segment", "create_segment", "check_received", "FIX"]
+__all__ = ["Segment", "create_segment", "check_received", "FIX", "SEALS"]
 
+#: the seals the segment gets once sized (Linux's memfd seals): no
+#: process -- not even one of this user's that opens it through /proc/<pid>/fd -- can shrink it
+#: under the mappings (every rank's next touch of a page past the end was a SIGBUS) or grow it,
+#: and no seal can be added after them
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 FIX = ("give the job memory for the segment (or lower CPUDDP_SHM_SLOT), run the node's ranks as one user "
        "in one network namespace, or pass backend='gloo'")
 _FLOCK = "hhqqixxxx"  # struct flock on Linux x86-64: type, whence, start, len, pid (+pad)
@@ -218,10 +224,11 @@ def _reserve(fd: int, offset: int, length: int, what: str, *, size_only: bool = 
 def create_segment(local_size: int, slot: int) -> Tuple[int, int]:
     """Local rank 0: a new, reserved, owner-only memfd with its header written; ``(fd, token)``."""
     _counters, slots, total = shm_check.layout(local_size, slot)
-    fd = os.memfd_create("cpuddp-shm", getattr(os, "MFD_CLOEXEC", 1))
+    fd = os.memfd_create("cpuddp-shm", getattr(os, "MFD_CLOEXEC", 1) | os.MFD_ALLOW_SEALING)
     try:
         os.fchmod(fd, 0o600)
         _reserve(fd, 0, total, f"{local_size} local ranks", size_only=True)  # the slots: each rank's (Segment)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)  # its size is final: a truncation would SIGBUS every rank
         _reserve(fd, 0, slots, f"the control lines of {local_size} local ranks")
         token = secrets.randbits(62) + 1
         with mmap.mmap(fd, PAGE) as head:
@@ -248,6 +255,8 @@ def check_received(fd: int, token: int, local_size: int, slot: int) -> None:
         problem = f"has mode {oct(st.st_mode & 0o777)}, not owner-only"
     elif st.st_size != total:
         problem = f"has size {st.st_size}, expected {total}"
+    elif fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+        problem = "is not sealed against shrinking and growing"
     if problem is None:
         with mmap.mmap(fd, PAGE) as head:
             words = (ctypes.c_int64 * HEADER_WORDS).from_buffer(head, 0)

@@ -122,9 +122,16 @@ class Waiter:
 
     def check_abort(self) -> None:
         aborted = self.seg.words[W_ABORT]
-        if aborted:
+        if not aborted:
+            return
+        if not 1 <= aborted <= len(self.local):  # no rank of the group wrote that: the header was overwritten
             raise dist.DistBackendError(
-                f"shm: local rank {aborted - 1} gave up (see its error); rank {self.rank} stops too")
+                f"shm: the shared-memory segment's header was overwritten (its abort word holds {aborted}, which "
+                f"names none of the {len(self.local)} local ranks): something other than this group's ranks wrote "
+                f"to its memory, what cannot be known (a process of this job's user can: docs/security.md); "
+                f"rank {self.rank} stops")
+        raise dist.DistBackendError(
+            f"shm: local rank {aborted - 1} gave up (see its error); rank {self.rank} stops too")
 
     def abort(self, local_rank: int) -> None:
         """Tell the node's ranks that ``local_rank`` gave up (the first one to do so is kept)."""
