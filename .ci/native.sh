@@ -6,7 +6,8 @@
 #    native one;
 # 2. the native library built with -fsanitize=address,undefined (AddressSanitizer preloaded, with
 #    libstdc++ so torch's C++ exceptions pass its interceptor), the native path required
-#    (CPUDDP_SHM_NATIVE=1), for the native tests and the engine's fault and agreement tests;
+#    (CPUDDP_SHM_NATIVE=1), for the native tests, the engine's fault and agreement tests and the
+#    careless calls (tests/test_shm_careless.py: each of its tests also runs its Python-path case);
 # 3. tests/native/threads.c -- ranks as threads over one segment, every collective -- under
 #    ThreadSanitizer;
 # 4. engine.c, threads.c and kernels.c built for aarch64 (Debian's cross compiler) and the last
@@ -20,8 +21,8 @@ cd "$(dirname "$0")/.."
 [ "${1:-}" = test ] || { echo "usage: bash .ci/native.sh test" >&2; exit 2; }
 : "${CI_WORK:?CI_WORK must be set (by .ci/run)}"
 ENGINE=(tests/test_shm.py tests/test_shm_agree.py tests/test_shm_collectives.py tests/test_shm_faults.py
-        tests/test_shm_lifecycle.py tests/test_shm_scale.py tests/test_shm_native.py)
-SANITIZED=(tests/test_shm_native.py tests/test_shm_agree.py tests/test_shm_faults.py)
+        tests/test_shm_careless.py tests/test_shm_lifecycle.py tests/test_shm_scale.py tests/test_shm_native.py)
+SANITIZED=(tests/test_shm_native.py tests/test_shm_agree.py tests/test_shm_faults.py tests/test_shm_careless.py)
 step() { echo "== native.sh [$((SECONDS))s] $*"; }
 
 step "the engine's tests on the Python path"
