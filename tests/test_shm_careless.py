@@ -198,6 +198,11 @@ def test_a_queued_tensor_that_is_resized_before_wait_is_refused_and_the_sum_is_r
     """Fails before the fix: on the native path the progress thread read and wrote the freed
     memory (SIGSEGV, glibc's "corrupted double-linked list"; ASan: heap-use-after-free in
     kernels.h); on the Python path the call went on over the tensor's new memory."""
+    from cpuddp.backends.shm.routes.hold import CAN_LEND
+
+    if not CAN_LEND:
+        pytest.skip("this torch has no UntypedStorage._swap_data_ptr_ (2.13 has it): a queued tensor's storage is "
+                    "kept, but its resize_ is not refused")
     env = _env(path, CPUDDP_SHM_ASYNC="1")
     r0, r1 = run_distributed(_changed_while_queued, 2, args=("resize", False), backend="shm", timeout=120, env=env)
     assert "not resizable" in r0["resize"], r0

@@ -29,12 +29,13 @@ import torch
 
 from cpuddp.errors import BackendError
 
-__all__ = ["Held", "lent"]
+__all__ = ["Held", "lent", "CAN_LEND"]
 
-#: torch's private calls that lend a storage's memory (2.13 and 2.15 have both); without them a
-#: storage is kept, not lent (``resize_`` is not refused)
-_CAN_LEND = (hasattr(torch.UntypedStorage, "_swap_data_ptr_")
-             and hasattr(torch._C, "_construct_storage_from_data_pointer"))
+#: torch's private calls that lend a storage's memory (``_swap_data_ptr_`` came in 2026: 2.13 and
+#: 2.15 have both, 2.8 does not); without them a storage is kept, not lent: ``t.resize_()`` of a
+#: queued tensor is not refused, and frees the memory the call uses (docs/backends.md says so)
+CAN_LEND = (hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+            and hasattr(torch._C, "_construct_storage_from_data_pointer"))
 #: the storages lent now: its address -> [queued calls holding it, the storage, the keeper of its memory]
 _lent: Dict[int, List[Any]] = {}
 _lock = threading.Lock()
@@ -69,7 +70,7 @@ def _lend(key: int, storage: Any) -> None:
         entry[0] += 1
         return
     keeper = None
-    if _CAN_LEND and storage.resizable() and storage.nbytes() and storage.data_ptr():
+    if CAN_LEND and storage.resizable() and storage.nbytes() and storage.data_ptr():
         keeper = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), storage.device, storage.nbytes())
         storage._swap_data_ptr_(keeper)  # the keeper owns the memory; the storage borrows it, not resizable
     _lent[key] = [1, storage, keeper]
