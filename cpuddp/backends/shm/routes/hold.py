@@ -38,6 +38,7 @@ CAN_LEND = (hasattr(torch.UntypedStorage, "_swap_data_ptr_")
             and hasattr(torch._C, "_construct_storage_from_data_pointer"))
 #: the storages lent now: its address -> [queued calls holding it, the storage, the keeper of its memory]
 _lent: Dict[int, List[Any]] = {}
+_SEQUENCES, _STRIDED = (list, tuple), torch.strided
 _lock = threading.Lock()
 
 FIX = ("leave a tensor passed to a collective with async_op=True as it is (its data, storage, size and dtype) "
@@ -56,11 +57,10 @@ def _tensors(things: Any) -> List[torch.Tensor]:
     todo = [things]
     while todo:
         thing = todo.pop()
-        if isinstance(thing, torch.Tensor):
-            if thing.layout is torch.strided:
-                found[id(thing)] = thing
-        elif isinstance(thing, (list, tuple)):
+        if type(thing) in _SEQUENCES or isinstance(thing, (list, tuple)):
             todo.extend(thing)
+        elif isinstance(thing, torch.Tensor) and thing.layout is _STRIDED:
+            found[id(thing)] = thing
     return list(found.values())
 
 
@@ -109,13 +109,18 @@ class Held:
 
     def moved(self) -> bool:
         """Was a tensor given other memory since the call was made (``t.data = ...``, ``t.set_()``)?"""
-        return any(t.data_ptr() != ptr for t, ptr, _, _, _ in self._seen)
+        for t, ptr, _, _, _ in self._seen:
+            if t.data_ptr() != ptr:
+                return True
+        return False
 
     def changed(self) -> bool:
         """Was a tensor given other memory, shape or dtype since the call was made (a refused
         ``t.resize_()`` leaves the new shape over the old memory: torch sets the sizes first)?"""
-        return any(t.data_ptr() != ptr or t.shape != shape or t.stride() != stride or t.dtype != dtype
-                   for t, ptr, shape, stride, dtype in self._seen)
+        for t, ptr, shape, stride, dtype in self._seen:
+            if t.data_ptr() != ptr or t.shape != shape or t.stride() != stride or t.dtype != dtype:
+                return True
+        return False
 
     def refused(self) -> BackendError:
         """The error of a call whose tensor :meth:`changed` before it ran (its peers wait for it
