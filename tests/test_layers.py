@@ -154,23 +154,14 @@ def test_the_checks_can_fail(monkeypatch):
             yield "cpuddp.distributed", "init_distributed"
         if name == "cpuddp.train.common.rank0":
             yield "cpuddp.train.checkpoint.save", "save_checkpoint"
+        if name == "cpuddp.backends.shm.protocol.segment":
+            yield "cpuddp.backends.shm.routes.stream", "ShmWork"
 
     monkeypatch.setattr(f"{__name__}._imports", fake)
     with pytest.raises(AssertionError, match=r"cpuddp.errors \(base\) imports cpuddp.distributed"):
         test_no_area_imports_its_own_layer_or_one_above()
     assert "cpuddp.errors" in _cycle()
     assert _train_upward(MODULES) == ["cpuddp.train.common.rank0 imports cpuddp.train.checkpoint.save.save_checkpoint"]
-
-
-def test_the_shm_rooms_check_can_fail(monkeypatch):
-    real = _imports
-
-    def fake(name: str) -> Iterator[tuple[str, str]]:
-        yield from real(name)
-        if name == "cpuddp.backends.shm.protocol.segment":
-            yield "cpuddp.backends.shm.routes.stream", "ShmWork"
-
-    monkeypatch.setattr(f"{__name__}._imports", fake)
     assert _shm_upward(MODULES) == ["cpuddp.backends.shm.protocol.segment imports "
                                     "cpuddp.backends.shm.routes.stream.ShmWork"]
 
