@@ -584,3 +584,20 @@ def test_the_owner_checks_can_fail():
              "cpuddp.run.made_up": "def f(options: dict): pass\n"}
     assert [w.split(" takes")[0] for w in _untyped_options(loose)] == [
         "cpuddp.train.made_up:1", "cpuddp.train.made_up:2", "cpuddp.train.made_up:3"]
+
+
+def _mpi4py_importers(sources: dict[str, str]) -> list[str]:
+    """Modules that import mpi4py: one owns MPI's start (cpuddp.launchers.mpi), every other asks it."""
+    found = set()
+    for module, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n.split(".")[0] == "mpi4py" for n in names):
+                found.add(module)
+    return sorted(found)
+
+
+def test_one_module_imports_mpi4py():
+    assert _mpi4py_importers(SOURCES) == ["cpuddp.launchers.mpi"]
+    assert _mpi4py_importers({"cpuddp.x": "def f():\n    from mpi4py import MPI\n"}) == ["cpuddp.x"]
