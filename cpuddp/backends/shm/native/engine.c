@@ -13,15 +13,21 @@
  * then `checked`), and reads a peer's entry or slot only after an acquire load of that peer's
  * counter showed the value.  A slot of parity p is written again only two rounds later, after
  * every peer arrived at the round between (which each does only after its reads); a ring entry
- * only after every peer's `checked` passed the call that used it.  The Python engine's plain
- * stores are the same release stores on x86 (TSO); on other CPUs only this path runs.
+ * only after every peer's `checked` passed the call that used it.  The Python engine keeps the
+ * same order for what it runs beside this file (the collectives this file does not run, the
+ * agreement of the path when a group forms): on x86 its plain stores and loads are release
+ * stores and acquire loads (TSO); on any other CPU (aarch64) it calls cpuddp_shm_fence, a full
+ * fence, after each counter it waited for and before each counter it raises
+ * (cpuddp/backends/shm/protocol/channel.py).  There a group forms only on this path, agreed by
+ * every local rank: without this library Python has no fence (process_group.py refuses it).
  *
- * Waiting: spin with a pause, then (when every rank has its own CPU) sched_yield for 2 ms, then
- * a shared futex on the segment's bell word, which a rank rings after raising a counter
- * whenever a waiter has said it sleeps.  Inside the wait, every 20 ms: is each late peer alive
- * (its kernel-held lock on the segment, its pidfd), has it left, did a rank give up (the abort
- * word), and does a peer's descriptor already differ.  A wait returns AGAIN after 50 ms so the
- * caller's thread can run Python's signal handlers; the call resumes where it stopped.
+ * Waiting: spin with a pause (x86's pause, aarch64's yield), then (when every rank has its own
+ * CPU) sched_yield for 2 ms, then a shared futex on the segment's bell word, which a rank rings
+ * after raising a counter whenever a waiter has said it sleeps.  Inside the wait, every 20 ms: is
+ * each late peer alive (its kernel-held lock on the segment, its pidfd), has it left, did a rank
+ * give up (the abort word), and does a peer's descriptor already differ.  A wait returns AGAIN
+ * after 50 ms so the caller's thread can run Python's signal handlers; the call resumes where it
+ * stopped.
  *
  * Bounds: every offset and length comes from the context the binding set up (from the
  * segment's checked layout), the call's own arguments, or arithmetic on them; nothing is read
@@ -883,6 +889,9 @@ void cpuddp_shm_stop(ctx_t *c) {
     pthread_join(q->thread, NULL);
     q->started = 0;
 }
+
+/* a full memory fence: the Python engine's order on CPUs that reorder stores and loads (see the top) */
+void cpuddp_shm_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
 /* the kernels alone (tests): out = rows[0] op rows[1] ... at width isa */
 int cpuddp_shm_reduce_rows(int isa, int op, int dtype, void *out, const void *const *rows, int k, int64_t m) {
