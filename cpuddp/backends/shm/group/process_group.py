@@ -121,6 +121,9 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
                  options: Optional[api.ShmOptions] = None, name: Optional[GroupName] = None) -> None:
         super().__init__(rank, size)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, _name_holder(rank, size))
+        # this group replaces the one torch made, and with it the default backend torch set there:
+        # torch 2.15 attaches its flight recorder to every group, which needs it
+        self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
         self._options = options or api.ShmOptions.from_environ(size)
         self._timeout = timeout
         self._life = Lifecycle()
