@@ -49,8 +49,8 @@ from .layout import (ABI, AT_POST, AT_ROUND, AT_SETTLE, DESC_WORDS, ENTRY_FIELDS
                      RC_DEAD, RC_LEFT, RC_MISMATCH, RC_OK, RC_TIMEOUT, STATE_FIELDS)
 
 
-__all__ = ["Counters", "VAR", "ISA_VAR", "ISAS", "setting", "isa_setting", "load", "status", "form", "Engine",
-           "DTYPES", "Unavailable"]
+__all__ = ["Counters", "VAR", "ISA_VAR", "ISAS", "setting", "isa_setting", "load", "status", "unavailable", "form",
+           "Engine", "DTYPES", "Unavailable"]
 
 VAR = "CPUDDP_SHM_NATIVE"
 ISA_VAR = "CPUDDP_SHM_ISA"
@@ -123,6 +123,7 @@ class _Lib:
             "cpuddp_shm_pending": (i64, [vp]),
             "cpuddp_shm_drain": (i32, [vp, i64]),
             "cpuddp_shm_stop": (None, [vp]),
+            "cpuddp_shm_fence": (None, []),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name)
@@ -275,6 +276,13 @@ def status(environ: Mapping[str, str] = os.environ) -> Tuple[bool, str]:
     except Exception as exc:  # noqa: BLE001
         return False, f"python ({exc})"
     return True, f"native ({ISAS[isa]}{_unvectorised(lib)})"
+
+
+def unavailable(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """Why a group formed now would take the Python data path on this rank, in :func:`status`'s
+    words (``CPUDDP_SHM_NATIVE=0``, why the library does not load), or None: the native one."""
+    native, text = status(environ)
+    return None if native else text[len("python ("):-1]
 
 
 def _unvectorised(lib: _Lib) -> str:
