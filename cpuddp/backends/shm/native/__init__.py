@@ -19,9 +19,8 @@ it orders memory); ctypes releases the GIL for it.  This module:
   into its control line, one round, and the node runs native only if every rank has the same
   library; otherwise every rank runs Python (and the reason is logged).
 * **guards** every call (:class:`Engine`): only contiguous CPU tensors of a dtype and op the
-  library reduces reach it (the callers stage the rest: :mod:`cpuddp.backends.shm.group.calls`, and
-  the routes that use it, :mod:`~cpuddp.backends.shm.routes.direct` and
-  :mod:`~cpuddp.backends.shm.routes.progress`); every
+  library reduces reach it (the callers stage the rest: :mod:`cpuddp.backends.shm.group.calls`,
+  and the routes that use it, :mod:`~cpuddp.backends.shm.routes.direct` and ``progress``); every
   pointer and length it gets is a tensor's own; inputs that overlap outputs in any way but the
   one each collective allows stay on the Python path.  An error code becomes the same error the
   Python engine raises (a mismatch naming both calls, a dead or departed peer, a rank that gave
