@@ -31,17 +31,19 @@ AGENT = ROOT / "tests" / "scripts" / "netns_agent.sh"
 SUBNET = "10.82.0"
 #: each MPI's library (MPICH ABI or Open MPI's), beside its mpiexec (``bin/../lib``)
 LIBMPI = {"mpich": "libmpi.so.12", "openmpi": "libmpi.so.40", "impi": "libmpi.so.12"}
-TOOLS = ("ip", "unshare", "awk")
+TOOLS = ("ip", "unshare", "awk", "taskset")
 
 
 @dataclass(frozen=True)
 class Hosts:
-    """``namespaces[i]`` plays ``names[i]`` at ``addrs[i]``; ``table``: the agent's host list."""
+    """``namespaces[i]`` plays ``names[i]`` at ``addrs[i]`` on ``cpus[i]`` (a CPU list, "" for
+    every CPU); ``table``: the agent's host list."""
 
     namespaces: tuple[str, ...]
     names: tuple[str, ...]
     addrs: tuple[str, ...]
     table: Path
+    cpus: tuple[str, ...] = ()
 
 
 @dataclass
@@ -71,8 +73,10 @@ def drop(namespaces: Sequence[str]) -> None:
 
 
 @contextlib.contextmanager
-def hosts(n: int, folder: Path) -> Iterator[Hosts]:
-    """``n`` hosts on one bridge (see the module docstring); ``folder`` gets the agent's table."""
+def hosts(n: int, folder: Path, cpus: Sequence[str] = ()) -> Iterator[Hosts]:
+    """``n`` hosts on one bridge (see the module docstring); ``folder`` gets the agent's table;
+    ``cpus``: each host's CPUs (``taskset`` lists; none: every host runs on every CPU, so two
+    hosts' ranks may share one -- what a real cluster never does)."""
     token = secrets.token_hex(3)
     switch, spaces = f"mpisw-{token}", tuple(f"mpi{i}-{token}" for i in range(n))
     names, addrs = tuple(f"h{i}-{token}" for i in range(n)), tuple(f"{SUBNET}.{i + 1}" for i in range(n))
@@ -94,8 +98,9 @@ def hosts(n: int, folder: Path) -> Iterator[Hosts]:
             Path(f"/etc/netns/{ns}/hosts").write_text(
                 "127.0.0.1 localhost\n" + "".join(f"{a} {h}\n" for a, h in zip(addrs, names)))
         table = folder / "hosts.txt"
-        table.write_text("".join(f"{a} {ns} {h}\n" for a, ns, h in zip(addrs, spaces, names)))
-        yield Hosts(spaces, names, addrs, table)
+        cpu = tuple(cpus) or ("",) * n
+        table.write_text("".join(f"{a} {ns} {h} {c}".rstrip() + "\n" for a, ns, h, c in zip(addrs, spaces, names, cpu)))
+        yield Hosts(spaces, names, addrs, table, cpu)
     finally:
         drop(created)
 
@@ -133,7 +138,8 @@ def run(kind: str, cmd: Sequence[str], on: Hosts, env: dict[str, str], log: Path
     full["CPUDDP_TEST_HOSTS"] = str(on.table)
     if kind == "openmpi":
         full.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    wrapped = ["ip", "netns", "exec", on.namespaces[0], "unshare", "--uts", "/bin/sh", "-c",
+    pin = ["taskset", "-c", on.cpus[0]] if on.cpus and on.cpus[0] else []  # the first host's ranks fork from it
+    wrapped = [*pin, "ip", "netns", "exec", on.namespaces[0], "unshare", "--uts", "/bin/sh", "-c",
                'hostname "$0" && exec "$@"', on.names[0], *cmd]
     start = time.monotonic()
     with open(log, "w") as out:

@@ -8,6 +8,9 @@ through the same variables as the tests: ``CPUDDP_MPICH_MPIEXEC``, ``CPUDDP_OPEN
 ``CPUDDP_IMPI_MPIEXEC``) on hosts that are network namespaces joined by a bridge
 (benchmarks/_mpi_hosts.py): ``2x1`` is 2 hosts of one rank (every collective over the leg),
 ``2x2`` 2 hosts of 2 ranks (4 processes: shared memory inside each host, the leg between them).
+Each host runs on CPUs of its own where the machine has a CPU for every rank (``2x1`` on 2 CPUs:
+one each, as on two machines); otherwise every host runs on every CPU (``2x2`` on 2 CPUs: the
+ranks of both hosts share them, each CPU running one rank of each host).
 Both legs run the same cpuddp group (``init_distributed(backend="shm")`` with
 ``CPUDDP_SHM_INTER=gloo`` or ``mpi``): what differs is only what carries the bytes between hosts.
 Rank 0 times, per case:
@@ -124,7 +127,7 @@ def run_case(opts: argparse.Namespace, layout: str, leg: str) -> dict[str, Any]:
     var, default = LAUNCHERS[opts.mpi]
     exe = os.environ.get(var) or default
     nhosts, ppn = (int(x) for x in layout.split("x"))
-    with tempfile.TemporaryDirectory() as tmp, _mpi_hosts.hosts(nhosts, Path(tmp)) as on:
+    with tempfile.TemporaryDirectory() as tmp, _mpi_hosts.hosts(nhosts, Path(tmp), host_cpus(nhosts, ppn)) as on:
         result = Path(tmp) / "result.json"
         env = {"MPI4PY_LIBMPI": str(_mpi_hosts.libmpi(opts.mpi, exe)), "CPUDDP_SHM_INTER": leg,
                "OMP_NUM_THREADS": "1", "CPUDDP_TIMEOUT": "600"}
@@ -134,6 +137,15 @@ def run_case(opts: argparse.Namespace, layout: str, leg: str) -> dict[str, Any]:
         if done.returncode != 0 or not result.exists():
             raise SystemExit(f"{layout} {leg}: exit {done.returncode}\n{done.output[-4000:]}")
         return json.loads(result.read_text())
+
+
+def host_cpus(nhosts: int, ppn: int) -> list[str]:
+    """Each host's CPUs: CPUs of its own where the machine has enough for every rank (as real
+    nodes have), else none (every host on every CPU: the ranks outnumber the CPUs anyway)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < nhosts * ppn:
+        return []
+    return [",".join(str(c) for c in cpus[i * ppn:(i + 1) * ppn]) for i in range(nhosts)]
 
 
 def summary(runs: dict[str, dict[str, list[dict]]]) -> list[dict[str, Any]]:

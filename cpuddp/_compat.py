@@ -2,7 +2,7 @@
 
 CI runs the whole suite on torch 2.8 (with IPEX 2.8, IPEX's last release, ``.ci/ipex.sh``) and
 torch 2.13, and the tests of what changes between torch releases -- the shm engine, sharding,
-checkpoints -- on torch 2.14 (``.ci/torch214.sh``).  ``pyproject.toml``'s ``torch>=2.8`` (no upper
+checkpoints -- on torch 2.15 (``.ci/torch215.sh``).  ``pyproject.toml``'s ``torch>=2.8`` (no upper
 cap: pip must never replace a newer torch) and
 README's "Supported torch" line state the same range; ``tests/test_compat.py`` keeps the
 three in step.  A torch outside it is not refused -- it may well work -- but
@@ -21,7 +21,7 @@ __all__ = ["TESTED_TORCH", "torch_range_note", "check_torch_version", "older_tha
            "torch_pairing"]
 
 #: Lowest and highest torch major.minor that CI tests, both inclusive.
-TESTED_TORCH = ((2, 8), (2, 14))
+TESTED_TORCH = ((2, 8), (2, 15))
 
 _log = logging.getLogger("cpuddp")
 _said: set[str] = set()
@@ -35,8 +35,8 @@ def _span() -> str:
 def torch_range_note(torch_version: str) -> Optional[str]:
     """Pure: None when ``torch_version`` is inside :data:`TESTED_TORCH`, else a sentence saying so.
 
-    Compared as versions (``packaging``), by major.minor: ``2.14.1+cpu`` is inside,
-    ``2.15.0.dev20270101`` and ``2.7.1`` are not.
+    Compared as versions (``packaging``), by major.minor: ``2.15.0+cpu`` is inside,
+    ``2.16.0.dev20270101`` and ``2.7.1`` are not.
     """
     from packaging.version import InvalidVersion, Version
 

@@ -34,7 +34,7 @@ Why not torch's ``torch.distributed.elastic.multiprocessing.start_processes``: i
 to ask a hung rank for its stack, it ends every rank as soon as one fails (``cpuddp.testing``
 waits a moment to find the root cause among several failures, and needs a crashed rank's
 native-crash stack), it takes its output through log files and ``@record`` error files, and
-it is an internal-ish API that changed between the torch releases cpuddp supports (2.8-2.14).
+it is an internal-ish API that changed between the torch releases cpuddp supports (2.8-2.15).
 """
 
 from __future__ import annotations

@@ -24,10 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
         ("2.13.0+cpu", True),
         ("2.13.9", True),
         ("2.14.1+cu130", True),
+        ("2.15.0", True),
+        ("2.15.0+cu132", True),
         ("2.7.1", False),
         ("2.1.0", False),  # "2.1" > "2.08" as strings would say otherwise
-        ("2.15.0", False),
-        ("2.15.0.dev20270101+cpu", False),
+        ("2.16.0", False),
+        ("2.16.0.dev20270101+cpu", False),
         ("3.0.0", False),
         ("not-a-version", False),
     ],
@@ -36,7 +38,7 @@ def test_torch_range_note(version, inside):
     note = _compat.torch_range_note(version)
     assert (note is None) is inside
     if note is not None:
-        assert version in note and "2.8 to 2.14" in note
+        assert version in note and "2.8 to 2.15" in note
 
 
 def test_check_torch_version_logs_once(caplog):
@@ -44,7 +46,7 @@ def test_check_torch_version_logs_once(caplog):
     with caplog.at_level(logging.WARNING, logger="cpuddp.test_compat"):
         first = _compat.check_torch_version(log, torch_version="2.99.0")
         again = _compat.check_torch_version(log, torch_version="2.99.0")
-        inside = _compat.check_torch_version(log, torch_version="2.14.1")
+        inside = _compat.check_torch_version(log, torch_version="2.15.0")
     assert first == again and "2.99.0 is newer" in first and inside is None
     assert [r.getMessage() for r in caplog.records] == [first]
 

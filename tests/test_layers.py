@@ -154,23 +154,14 @@ def test_the_checks_can_fail(monkeypatch):
             yield "cpuddp.distributed", "init_distributed"
         if name == "cpuddp.train.common.rank0":
             yield "cpuddp.train.checkpoint.save", "save_checkpoint"
+        if name == "cpuddp.backends.shm.protocol.segment":
+            yield "cpuddp.backends.shm.routes.stream", "ShmWork"
 
     monkeypatch.setattr(f"{__name__}._imports", fake)
     with pytest.raises(AssertionError, match=r"cpuddp.errors \(base\) imports cpuddp.distributed"):
         test_no_area_imports_its_own_layer_or_one_above()
     assert "cpuddp.errors" in _cycle()
     assert _train_upward(MODULES) == ["cpuddp.train.common.rank0 imports cpuddp.train.checkpoint.save.save_checkpoint"]
-
-
-def test_the_shm_rooms_check_can_fail(monkeypatch):
-    real = _imports
-
-    def fake(name: str) -> Iterator[tuple[str, str]]:
-        yield from real(name)
-        if name == "cpuddp.backends.shm.protocol.segment":
-            yield "cpuddp.backends.shm.routes.stream", "ShmWork"
-
-    monkeypatch.setattr(f"{__name__}._imports", fake)
     assert _shm_upward(MODULES) == ["cpuddp.backends.shm.protocol.segment imports "
                                     "cpuddp.backends.shm.routes.stream.ShmWork"]
 
@@ -593,3 +584,20 @@ def test_the_owner_checks_can_fail():
              "cpuddp.run.made_up": "def f(options: dict): pass\n"}
     assert [w.split(" takes")[0] for w in _untyped_options(loose)] == [
         "cpuddp.train.made_up:1", "cpuddp.train.made_up:2", "cpuddp.train.made_up:3"]
+
+
+def _mpi4py_importers(sources: dict[str, str]) -> list[str]:
+    """Modules that import mpi4py: one owns MPI's start (cpuddp.launchers.mpi), every other asks it."""
+    found = set()
+    for module, source in sources.items():
+        for node in ast.walk(ast.parse(source)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            if any(n.split(".")[0] == "mpi4py" for n in names):
+                found.add(module)
+    return sorted(found)
+
+
+def test_one_module_imports_mpi4py():
+    assert _mpi4py_importers(SOURCES) == ["cpuddp.launchers.mpi"]
+    assert _mpi4py_importers({"cpuddp.x": "def f():\n    from mpi4py import MPI\n"}) == ["cpuddp.x"]

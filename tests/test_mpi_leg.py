@@ -11,7 +11,6 @@ back to gloo, with the reason (or is an error where the user required it).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest

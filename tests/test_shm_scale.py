@@ -235,26 +235,3 @@ def test_avg_is_a_sum_divided_on_the_whole_gloo_path_too():
             assert got[what][0] == got[what][1], (r, what, got[what])
         assert "average of integers" in got["int_avg"], got["int_avg"]
         assert got["asked"] and not any("AVG" in op for op in got["asked"]), got["asked"]
-
-
-# --------------------------------------------------------------------------- the x86 gate
-
-
-def _shm_group_on_arm():
-    import platform
-
-    import torch.distributed as dist
-
-    import cpuddp.shm  # noqa: F401  (registers "shm" with torch)
-
-    platform.machine = lambda: "aarch64"  # this process only
-    try:
-        dist.new_group(list(range(dist.get_world_size())), backend="shm")
-        return "formed"
-    except Exception as exc:  # noqa: BLE001
-        return f"{type(exc).__name__}: {exc}"
-
-
-def test_a_shm_group_on_a_cpu_that_is_not_x86_is_refused_even_by_plain_torch():
-    for got in run_distributed(_shm_group_on_arm, 2, backend="gloo", timeout=120):
-        assert "BackendError" in got and "x86" in got and "aarch64" in got, got

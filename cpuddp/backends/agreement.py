@@ -1,5 +1,5 @@
 """Every rank's backend choice, checked through the job's store: :func:`agree_backend`, the last
-step of the decision (:mod:`cpuddp.backends.decide`).  The store is the session's: the agreement
+step of the decision (:mod:`cpuddp.backends.decide`).  The store belongs to init: the agreement
 is handed this rank's exchange over it (:data:`cpuddp.launchers.hosts.Share`), None in a world
 of one.
 

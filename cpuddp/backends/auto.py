@@ -6,8 +6,9 @@ and without ``--torch``) asks it through ``resolve_backend``, and :data:`RULE` i
 words for the docs and messages.  The rule, for CPU tensors:
 
 1. Ranks that share a node all-reduce through shared memory (``shm``) when the node is
-   eligible (:func:`cpuddp.backends.shm.protocol.check.eligibility`: 2+ ranks, no more ranks than CPUs, x86,
-   memory for the segment, no ``CPUDDP_SHM=0``).  Measured on one node (a 2-vCPU AMD EPYC, AVX2,
+   eligible (:func:`cpuddp.backends.shm.protocol.check.eligibility`: 2+ ranks, no more ranks than CPUs, x86
+   or a native library that loads (aarch64), memory for the segment, no ``CPUDDP_SHM=0``).
+   Measured on one node (a 2-vCPU AMD EPYC, AVX2,
    torch 2.13), 2 ranks, 1 MiB:
    shm 0.36 ms, gloo 2.26 ms, oneCCL 6.99 ms (oneCCL 19x slower than shm; at 64 MiB 2.6x).
    So shm wins over a working oneCCL too.
@@ -20,7 +21,7 @@ words for the docs and messages.  The rule, for CPU tensors:
 3. Where a node runs one rank (so no node shares memory) and the MPI leg can run: shm all the
    same, its every collective over MPI (the gain of MPI's latency over gloo's, without shared
    memory), unless the user opted out of shm (``CPUDDP_SHM=0``).
-4. Where shm cannot run otherwise (oversubscribed, opted out, not x86, no MPI): across nodes
+4. Where shm cannot run otherwise (oversubscribed, opted out, not x86 and no native library, no MPI): across nodes
    oneCCL when its bindings work (node-to-node is what it is built for), else gloo; on one
    node gloo -- oneCCL measured slower than gloo on one node at every size up to 16 MiB
    (1 MiB: 6.99 vs 2.26 ms, and 11.7 vs 2.9 ms in another run; docs/backends.md).

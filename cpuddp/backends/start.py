@@ -5,7 +5,7 @@ The session meets the other ranks and proves the layout (:mod:`cpuddp.distribute
 then it hands the ``backend=`` request here with the job as plain values and its own steps as
 callables (:class:`InitJob`), and gets back the plan, carried out.  This area never sees the
 session: the store's exchange, the undo log of exports and pinning, saying "ready" and the CPUs
-the group forms on stay the session's.  The steps, in order:
+the group forms on stay with init.  The steps, in order:
 
 1. **Decide** (:func:`cpuddp.backends.decide.decide_backend`): choose, plan (pure), agree last;
    then the group's options, which the agreed backend's object builds from the plan
@@ -40,7 +40,7 @@ __all__ = ["InitJob", "start_backend"]
 @dataclass(frozen=True)
 class InitJob:
     """What :func:`start_backend` takes from the session: the job as its ranks proved it, and the
-    session's own steps, as callables.
+    steps init takes itself, as callables.
 
     ``env``: this rank, placed by the proven layout; ``layout``: that layout; ``store``: the job's
     store, which the group forms over; ``share``: this rank's exchange over it
@@ -70,7 +70,7 @@ class InitJob:
 def start_backend(requested: str, job: InitJob) -> BackendPlan:
     """The backend for ``requested``, decided and carried out to a group that its first collective
     proved (see the module docstring); returns the plan.  An error stops at the step that raised
-    it: what was exported and pinned before is in the session's undo log."""
+    it: what was exported and pinned before is in init's undo log."""
     with job.until_ready():
         plan = decide_backend(requested, job.env, job.layout, job.share, job.key, job.environ, pin=job.pin)
         options = plan.choice.backend.group_options(job.env, plan)  # pure: built from the agreed plan

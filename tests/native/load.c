@@ -1,6 +1,7 @@
 /* A built library, loaded as the binding loads it (dlopen) and checked as the binding's self-test
- * checks it: its ABI, its digest, and at every width it runs here a float32 sum (NaN, 2^100 + 2^100)
- * and a bfloat16 sum rounded to nearest even -- for a library no Python can load here, such as a
+ * checks it: its ABI, its digest, its fence (which the Python engine calls off x86) called once, and
+ * at every width it runs here a float32 sum (NaN, 2^100 + 2^100) and a bfloat16 sum rounded to
+ * nearest even -- for a library no Python can load here, such as a
  * wheel's aarch64 library under qemu-aarch64 (.ci/wheels.sh).  Built alone:
  *   cc -O2 -std=c11 tests/native/load.c -ldl -o load
  * Usage: load LIBRARY   (prints one line per width checked; exits 1 at the first wrong result) */
@@ -19,7 +20,12 @@ int main(int argc, char **argv) {
     const char *(*digest)(void) = (const char *(*)(void))dlsym(lib, "cpuddp_shm_digest");
     int (*supported)(int) = (int (*)(int))dlsym(lib, "cpuddp_shm_isa_supported");
     reduce_rows_fn reduce_rows = (reduce_rows_fn)dlsym(lib, "cpuddp_shm_reduce_rows");
-    if (!abi || !digest || !supported || !reduce_rows) { fprintf(stderr, "a function is missing\n"); return 1; }
+    void (*fence)(void) = (void (*)(void))dlsym(lib, "cpuddp_shm_fence");
+    if (!abi || !digest || !supported || !reduce_rows || !fence) {
+        fprintf(stderr, "a function is missing\n");
+        return 1;
+    }
+    fence();
     printf("abi %d, digest %s\n", abi(), digest());
     static const char *names[] = {"scalar", "avx2", "avx512"};
     for (int isa = 0; isa < 3; isa++) {

@@ -52,6 +52,17 @@ class ShmBackend(BackendSpec):
     #: output): a sum divided by the caller stays on it.
     averages_in_reduce_scatter = False
 
+    def refusal(self, st: BackendStatus, lk: Lookups) -> BackendError:
+        """A CPU that is not x86 without the native data path (:data:`~.protocol.check.NATIVE_ONLY`)
+        gets that fix; any other reason the base class's."""
+        if check.NATIVE_ONLY not in st.reason:
+            return super().refusal(st, lk)
+        import platform
+
+        return BackendError(f"backend={self.name!r} was requested, but it cannot run here: {st.reason}",
+                            fix=f"{check.native_fix(lk.environ, platform.machine())}; or pass backend='auto' "
+                                "(it takes gloo here) or 'gloo'")
+
     def named_choice(self, st: BackendStatus, env: "DistEnv", lk: Lookups) -> BackendChoice:
         return replace(super().named_choice(st, env, lk), inter=self.rule_leg(env, lk))
 

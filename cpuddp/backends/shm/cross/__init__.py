@@ -8,6 +8,6 @@ collectives, waited for and agreed (:mod:`.mpi_comm`), and the process-group met
 with every reduction ours, in rank order (:mod:`.mpi_group`).
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp.backends.shm.api` (the lost-rank check), :mod:`cpuddp.launchers.hosts` (the legs' agreement),
 :mod:`cpuddp.launchers.mpi` (MPI's start and world), :mod:`cpuddp.backends.types` (the leg's object),
-:mod:`cpuddp.backends.shm.native.layout` (the wait policy's numbers), :mod:`cpuddp.backends.shm.protocol`,
+:mod:`cpuddp.backends.shm.protocol`,
 :mod:`cpuddp.backends.shm.python`, :mod:`cpuddp.backends.shm.routes`
 """

@@ -63,6 +63,7 @@ from .. import api
 from ..protocol import check as shm_check
 from ..routes import call_args
 from .. import native
+from . import arch
 from .calls import Collectives
 from ..protocol.channel import Channel, Lifecycle
 from ..cross.hierarchy import Hierarchy
@@ -113,18 +114,6 @@ def _name_holder(rank: int, size: int) -> Any:
     return create(rank, size, opts)
 
 
-def _require_x86() -> None:
-    """The segment's protocol relies on x86's store ordering: a group that would map one on
-    another CPU is refused here, where plain ``init_process_group("shm")`` passes too (auto
-    never picks shm there)."""
-    import platform
-
-    arch = platform.machine() or "unknown"
-    if arch.lower() not in shm_check.X86_MACHINES:
-        raise BackendError(f"the shm backend needs an x86 CPU (its shared-memory protocol relies on x86's store "
-                           f"ordering); this one is {arch}", fix="use backend='gloo' (or 'auto', which picks it here)")
-
-
 class ShmProcessGroup(Collectives, dist.ProcessGroup):
     """The ``shm`` process group (see the module docstring; the collectives are in
     :mod:`cpuddp.backends.shm.group.calls`)."""
@@ -133,6 +122,9 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
                  options: Optional[api.ShmOptions] = None, name: Optional[GroupName] = None) -> None:
         super().__init__(rank, size)
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, _name_holder(rank, size))
+        # this group replaces the one torch made, and with it the default backend torch set there:
+        # torch 2.15 attaches its flight recorder to every group, which needs it
+        self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
         self._options = options or api.ShmOptions.from_environ(size)
         self._timeout = timeout
         self._life = Lifecycle()
@@ -193,7 +185,6 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             legs = self._legs(store, plan, name, timeout)
             self._world = legs.world
             return plan.whole_gloo.replace("gloo", legs.text, 1)
-        _require_x86()
         seconds = timeout.total_seconds()
         with thread_affinity(self._options.cpus):  # the slots are allocated on the rank's NUMA node
             seg, socks, peers = map_segment(store, rank, plan, seconds, shm_check.slot_bytes(os.environ), name.identity)
@@ -201,10 +192,17 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
             # (its local ranks proved themselves in the hand-over, and the launcher's count is its floor)
             identity.remember_hosts(name.identity.store, [w.host for w in who])
         waiter = Waiter(seg, plan.local, peers, rank, seconds, plan.spin)
-        self._eng = LocalEngine(Channel(seg, plan.local, rank, waiter, self._life))
+        self._eng = LocalEngine(Channel(seg, plan.local, rank, waiter, self._life, arch.fence_here()))
         self._links = PeerLinks({plan.local[j]: s for j, s in socks.items()}, rank)
-        numa = setup_levels(self._eng, self._options.cpus or plan.local_cpus[plan.local_rank])
+        # off x86 the node runs one level: the two-level NUMA plan runs in Python (arch.py)
+        numa = setup_levels(self._eng, self._options.cpus or plan.local_cpus[plan.local_rank]) if arch.is_x86() else ""
         engine, path = native.form(self._eng.ch, peers, seconds, C_NATIVE)
+        try:
+            arch.check_path(engine, path)
+        except BackendError:
+            self._links.close()
+            self._eng.ch.close()
+            raise
         if self._eng.levels is None:  # the two-level NUMA plan runs in Python
             self._native = engine
         elif engine is not None:

@@ -19,9 +19,8 @@ it orders memory); ctypes releases the GIL for it.  This module:
   into its control line, one round, and the node runs native only if every rank has the same
   library; otherwise every rank runs Python (and the reason is logged).
 * **guards** every call (:class:`Engine`): only contiguous CPU tensors of a dtype and op the
-  library reduces reach it (the callers stage the rest: :mod:`cpuddp.backends.shm.group.calls`, and
-  the routes that use it, :mod:`~cpuddp.backends.shm.routes.direct` and
-  :mod:`~cpuddp.backends.shm.routes.progress`); every
+  library reduces reach it (the callers stage the rest: :mod:`cpuddp.backends.shm.group.calls`,
+  and the routes that use it, :mod:`~cpuddp.backends.shm.routes.direct` and ``progress``); every
   pointer and length it gets is a tensor's own; inputs that overlap outputs in any way but the
   one each collective allows stay on the Python path.  An error code becomes the same error the
   Python engine raises (a mismatch naming both calls, a dead or departed peer, a rank that gave
@@ -49,8 +48,8 @@ from .layout import (ABI, AT_POST, AT_ROUND, AT_SETTLE, DESC_WORDS, ENTRY_FIELDS
                      RC_DEAD, RC_LEFT, RC_MISMATCH, RC_OK, RC_TIMEOUT, STATE_FIELDS)
 
 
-__all__ = ["Counters", "VAR", "ISA_VAR", "ISAS", "setting", "isa_setting", "load", "status", "form", "Engine",
-           "DTYPES", "Unavailable"]
+__all__ = ["Counters", "VAR", "ISA_VAR", "ISAS", "setting", "isa_setting", "load", "status", "unavailable", "form",
+           "Engine", "DTYPES", "Unavailable"]
 
 VAR = "CPUDDP_SHM_NATIVE"
 ISA_VAR = "CPUDDP_SHM_ISA"
@@ -123,6 +122,7 @@ class _Lib:
             "cpuddp_shm_pending": (i64, [vp]),
             "cpuddp_shm_drain": (i32, [vp, i64]),
             "cpuddp_shm_stop": (None, [vp]),
+            "cpuddp_shm_fence": (None, []),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name)
@@ -275,6 +275,13 @@ def status(environ: Mapping[str, str] = os.environ) -> Tuple[bool, str]:
     except Exception as exc:  # noqa: BLE001
         return False, f"python ({exc})"
     return True, f"native ({ISAS[isa]}{_unvectorised(lib)})"
+
+
+def unavailable(environ: Mapping[str, str] = os.environ) -> Optional[str]:
+    """Why a group formed now would take the Python data path on this rank, in :func:`status`'s
+    words (``CPUDDP_SHM_NATIVE=0``, why the library does not load), or None: the native one."""
+    native, text = status(environ)
+    return None if native else text[len("python ("):-1]
 
 
 def _unvectorised(lib: _Lib) -> str:

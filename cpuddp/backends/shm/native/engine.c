@@ -13,11 +13,14 @@
  * then `checked`), and reads a peer's entry or slot only after an acquire load of that peer's
  * counter showed the value.  A slot of parity p is written again only two rounds later, after
  * every peer arrived at the round between (which each does only after its reads); a ring entry
- * only after every peer's `checked` passed the call that used it.  The Python engine's plain
- * stores are the same release stores on x86 (TSO) only: on any other CPU (aarch64) a group may
- * run this path alone, never the Python one -- which is why, today, the group refuses CPUs that
- * are not x86 (cpuddp/backends/shm/group/process_group.py); this file builds and runs its
- * protocol tests on aarch64 (tests/native/threads.c under qemu, .ci/native.sh).
+ * only after every peer's `checked` passed the call that used it.  The Python engine keeps the
+ * same order for what it runs beside this file (the collectives this file does not run, the
+ * agreement of the path when a group forms): on x86 its plain stores and loads are release
+ * stores and acquire loads (TSO); on any other CPU (aarch64) it calls cpuddp_shm_fence, a full
+ * fence, after each counter it waited for and before each counter it raises
+ * (cpuddp/backends/shm/protocol/channel.py).  There a group forms only on this path, agreed by
+ * every local rank: without this library Python has no fence (group/arch.py refuses it).  This
+ * file's protocol tests run on aarch64 under qemu (tests/native/threads.c, .ci/native.sh).
  *
  * Waiting: the wait policy of layout.h (pause, sched_yield, then the segment's futex; the
  * late peers looked at every WAIT_CHECK_NS; RC_AGAIN every WAIT_SLICE_NS, so the caller's
@@ -904,6 +907,9 @@ void cpuddp_shm_stop(ctx_t *c) {
     q->started = 0; /* later submits get RC_CLOSED; calls in the caller's thread wait as before */
     __atomic_store_n(&q->closing, 0, __ATOMIC_RELEASE);
 }
+
+/* a full memory fence: the Python engine's order on CPUs that reorder stores and loads (see the top) */
+void cpuddp_shm_fence(void) { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 
 /* the kernels alone (tests): out = rows[0] op rows[1] ... at width isa */
 int cpuddp_shm_reduce_rows(int isa, int op, int dtype, void *out, const void *const *rows, int k, int64_t m) {

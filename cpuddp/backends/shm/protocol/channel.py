@@ -11,15 +11,19 @@ The data paths (:mod:`cpuddp.backends.shm.python.local`, :mod:`~cpuddp.backends.
 :mod:`~cpuddp.backends.shm.protocol.wait` (the one wait policy).
 May import: the shm modules named above, torch.distributed, cpuddp.errors.
 
-**Publish, then count.**  A rank makes a thing visible to its peers only by raising a counter
+**Publish, then count.** A rank makes a thing visible to its peers only by raising a counter
 after it: the descriptor of call ``seq`` is written into the rank's ring entry, then its
 ``posted`` word is raised to ``seq``; its data for round ``e`` is written into its slots, then
 its ``arrived`` word is raised to ``e``; a peer reads an entry or a slot only after it saw the
-counter reach that value (x86 keeps stores in order and loads in order: the shm backend runs on
-x86 only).  A rank writes a ring entry again only after every peer's ``checked`` word passed
-the call that used it, and a slot buffer only two rounds later, after every peer arrived at the
-round in between (which it does only after its reads).  Leaving raises ``checked`` past any
-call and sets the line's state word to *left*, so no peer waits for a rank that is gone.
+counter reach that value. On x86 the plain stores and loads keep that order (x86 keeps stores in
+order and loads in order); on any other CPU (aarch64) the channel is handed the native library's
+full fence (``fence``), called after each counter it waited for and before each counter it
+raises -- the group forms there only on the native data path, so each rank of a group that runs
+has it (:mod:`cpuddp.backends.shm.group.arch`). A rank writes a ring entry again only after
+every peer's ``checked`` word passed the call that used it, and a slot buffer only two rounds
+later, after every peer arrived at the round in between (which it does only after its reads).
+Leaving raises ``checked`` past any call and sets the line's state word to *left*, so no peer
+waits for a rank that is gone.
 
 **Lifecycle.**  ``FORMING`` until the group is set up; ``LIVE``; ``BROKEN`` after any error of
 a call (kept: every later call raises it at once, and the abort word stops the peers);
@@ -31,7 +35,7 @@ segment is unmapped.
 from __future__ import annotations
 
 import enum
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch.distributed as dist
 
@@ -104,10 +108,13 @@ class Lifecycle:
 class Channel:
     """This rank's side of the node's segment protocol (see the module docstring)."""
 
-    def __init__(self, seg: Segment, local: Sequence[int], rank: int, waiter: Waiter, life: Lifecycle) -> None:
+    def __init__(self, seg: Segment, local: Sequence[int], rank: int, waiter: Waiter, life: Lifecycle,
+                 fence: Optional[Callable[[], None]] = None) -> None:
         self.seg, self.local, self.rank, self.waiter, self.life = seg, tuple(local), rank, waiter, life
         self.me, self.n = seg.local_rank, seg.size
-        self.ring = Ring(seg)
+        #: a full memory fence around the counters (None on x86, whose store order is the protocol's)
+        self.fence = fence
+        self.ring = Ring(seg, fence)
         #: the counters this rank's calls advance, shared with the native data path (one home:
         #: a group runs some calls there and others here)
         self.state = Counters()
@@ -158,12 +165,16 @@ class Channel:
     def round(self, e: int) -> None:
         """Announce arrival at round ``e``; return once every local peer has arrived there (and
         the call's descriptors, posted before any round, are compared)."""
-        seg = self.seg
+        seg, fence = self.seg, self.fence
+        if fence is not None:
+            fence()  # this rank's writes and reads of the slots before its arrival
         seg.mine.value = e
         arrived = seg.arrived
         if min(arrived) < e:
             self.waiter.until(lambda: min(arrived) < e, lambda: seg.late(arrived, e),
                               f"a shared-memory round ({e})", self._poll)
+        if fence is not None:
+            fence()  # the peers' arrivals before this rank reads what they wrote
         if self._unchecked is not None:
             self.settle()
         if seg.words[W_ABORT]:  # a peer gave up: what it left in the slots may be from a call it abandoned

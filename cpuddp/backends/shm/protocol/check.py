@@ -7,9 +7,11 @@ asks.  It says no, with the reason, when
 
 * ``CPUDDP_SHM=0`` (the user opted out);
 * the node runs fewer than 2 ranks (nothing to share);
-* the CPU is not x86 (the data path relies on x86's total store order: a peer that sees a
-  rank's arrival counter also sees the data stored before it; arm64 and POWER would need
-  fences that Python cannot issue);
+* the CPU is not x86 and this rank's native library (:mod:`cpuddp.backends.shm.native`) cannot
+  run: the Python data path relies on x86's total store order (a peer that sees a rank's
+  arrival counter also sees the data stored before it); on aarch64 the shm group runs on the
+  native data path only, whose loads and stores order themselves (acquire/release), and the
+  Python engine's own steps take the library's fence;
 * the memory the segment needs (:func:`reservation_bytes`) is more than the memory available
   (``MemAvailable``, and the cgroup's ``memory.max`` headroom where one is set).
 
@@ -34,6 +36,8 @@ __all__ = [
     "DEFAULT_SLOT",
     "X86_MACHINES",
     "eligibility",
+    "NATIVE_ONLY",
+    "native_fix",
     "reservation_bytes",
     "slot_bytes",
     "layout",
@@ -48,6 +52,8 @@ OPT_OUT_VAR = "CPUDDP_SHM"
 #: 1 MiB per rank and buffer: 25-35% faster than 4 or 64 MiB on a 2-vCPU AMD EPYC, AVX2 (the slots stay in L3).
 DEFAULT_SLOT = 1 << 20
 X86_MACHINES = frozenset({"x86_64", "amd64", "i386", "i486", "i586", "i686", "x86"})
+#: :func:`eligibility`'s words where a CPU that is not x86 cannot take the native data path
+NATIVE_ONLY = "there the shared-memory backend runs on its native data path only"
 
 
 def slot_bytes(environ: Mapping[str, str]) -> int:
@@ -148,6 +154,7 @@ def eligibility(
     machine: Optional[str] = None,
     free_bytes: Optional[Callable[[], Optional[int]]] = None,
     node_cpus: Optional[int] = None,
+    native_unavailable: Optional[Callable[[Mapping[str, str]], Optional[str]]] = None,
 ) -> Tuple[bool, str]:
     """Should ``backend="auto"`` use the shared-memory backend on this node?  ``(ok, reason)``.
 
@@ -155,7 +162,9 @@ def eligibility(
     sets, as gathered at init); more ranks than that is a no -- every waiting rank would sit
     on a CPU a peer needs (measured: 0.06x gloo at 4 MiB with 4 ranks on a 2-vCPU AMD EPYC, AVX2).
     ``machine`` (``platform.machine()``) and ``free_bytes()`` (available memory, or None when
-    unknown: then the reservation at init decides) replace the real probes in tests.
+    unknown: then the reservation at init decides) replace the real probes in tests, as does
+    ``native_unavailable(environ)`` (why this rank's group would not take the native data path,
+    or None: :func:`cpuddp.backends.shm.native.unavailable`, asked on CPUs that are not x86 only).
     """
     from cpuddp._units import format_size
 
@@ -168,9 +177,13 @@ def eligibility(
         return False, (f"{local_world_size} local ranks share {node_cpus} CPU(s): shared-memory waits "
                        f"would take CPUs their peers need (gloo's sockets sleep instead)")
     arch = (machine if machine is not None else platform.machine()) or "unknown"
+    path = ""
     if arch.lower() not in X86_MACHINES:
-        return False, (f"the CPU is {arch}, not x86: the shared-memory backend relies on x86's store "
-                       f"ordering and is not proven on {arch}")
+        why = (native_unavailable or _native_unavailable)(environ)
+        if why is not None:
+            return False, (f"the CPU is {arch}: {NATIVE_ONLY} (the Python one relies on x86's store ordering), "
+                           f"and it cannot run here: {why}")
+        path = " (native data path)"
     try:
         need = reservation_bytes(local_world_size, environ)
     except ValueError as exc:
@@ -180,7 +193,31 @@ def eligibility(
         return False, (f"{format_size(free)} of memory is available, and {local_world_size} local ranks need "
                        f"{format_size(need)} for the segment (lower {SLOT_VAR}, or give the job more memory)")
     room = "unknown memory" if free is None else f"{format_size(free)} of memory available"
-    return True, f"{local_world_size} local ranks on {arch}, {room} (needs {format_size(need)})"
+    return True, f"{local_world_size} local ranks on {arch}{path}, {room} (needs {format_size(need)})"
+
+
+def native_fix(environ: Mapping[str, str], arch: str) -> str:
+    """What lets shm run on ``arch`` (not x86) where this rank would take the Python data path."""
+    from cpuddp.errors import BackendError
+
+    from .. import native
+
+    try:
+        off = native.setting(environ) is False
+    except BackendError as exc:
+        return exc.fix or f"unset {native.VAR}"
+    if off:
+        return f"unset {native.VAR} (on {arch} shm runs on the native data path, where its library loads)"
+    return ("build the native library: pip install cpuddp again where a C compiler is, or 'python -m "
+            f"cpuddp.backends.shm.native.build', or install cpuddp's {arch} wheel")
+
+
+def _native_unavailable(environ: Mapping[str, str]) -> Optional[str]:
+    """Why this rank would not take the native data path (None: it would); loads the library
+    once (ctypes, no torch)."""
+    from .. import native
+
+    return native.unavailable(environ)
 
 
 def probe(lookups: object) -> Tuple[bool, str]:
@@ -191,6 +228,9 @@ def probe(lookups: object) -> Tuple[bool, str]:
     """
     environ = getattr(lookups, "environ", None) or os.environ
     ok, reason = eligibility(2, {k: v for k, v in environ.items() if k != OPT_OUT_VAR})
-    if ok:
+    if not ok:
+        return False, reason
+    arch = platform.machine() or "unknown"
+    if arch.lower() in X86_MACHINES:
         return True, "x86 CPU and memory for the segment"
-    return False, reason
+    return True, f"{arch} CPU with the native data path, and memory for the segment"

@@ -160,10 +160,11 @@ class Ring:
     check is one pass over a view of every rank's words (``min`` over a step slice, one bytes
     comparison of a ring entry across ranks), not a loop over the peers."""
 
-    def __init__(self, seg: Any) -> None:
+    def __init__(self, seg: Any, fence: Optional[Callable[[], None]] = None) -> None:
         self._seg = seg
         self.me = seg.local_rank
         self._entry = DESC
+        self._fence = fence  # the channel's (cpuddp.backends.shm.protocol.channel): None on x86
 
     def slot_free(self, seq: int) -> List[int]:
         """Local ranks that have not checked call ``seq - RING`` yet (this rank may not overwrite
@@ -173,10 +174,15 @@ class Ring:
         return [] if min(checked) >= need else [i for i in self._seg.late(checked, need) if i != self.me]
 
     def post(self, seq: int, call: Call) -> None:
+        fence = self._fence
+        if fence is not None:
+            fence()  # the peers' `checked` (slot_free) before this entry is written again
         entry = self._seg.rings[self.me][seq % RING]
         entry[1:1 + WORDS] = call.words()
         entry[0] = seq
-        self._seg.posted[self.me] = seq  # x86 TSO: peers that see this see the entry
+        if fence is not None:
+            fence()  # the entry before `posted`
+        self._seg.posted[self.me] = seq  # on x86 (TSO) peers that see this see the entry
 
     def late(self, seq: int) -> List[int]:
         """Local ranks that have not posted call ``seq`` yet."""
@@ -185,11 +191,15 @@ class Ring:
 
     def compare(self, seq: int, call: Call, rank_of: Sequence[int]) -> None:
         """Raise :class:`CallMismatch` if any local peer's call ``seq`` differs from ``call``."""
-        seg, size = self._seg, self._seg.size
+        seg, size, fence = self._seg, self._seg.size, self._fence
+        if fence is not None:
+            fence()  # the peers' `posted` (late) before their entries are read
         at = seg.ring_at[seq % RING]
         mine = bytes(seg.mm[at + self.me * self._entry:at + (self.me + 1) * self._entry])
         if seg.mm[at:at + size * self._entry] != mine * size:
             self.mismatch(seq, call, rank_of)
+        if fence is not None:
+            fence()  # the reads before `checked`
         seg.checked[self.me] = seq
 
     def mismatch(self, seq: int, call: Call, rank_of: Sequence[int]) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any, List
 
-import torch
 
 from ..python.ops import AVG, check_tensors, flat_bytes, reducer, staged, summed
 from .route_node import CrossRoute
@@ -25,14 +24,10 @@ class NativeCrossRoute(CrossRoute):
         self.nat, self.nhier = nat, nhier
 
     def all_reduce(self, tensors: List[Any], code: Any) -> Any:
-        t = tensors[0]
-        if isinstance(t, torch.Tensor) and t.is_sparse:
-            return self._all_reduce_sparse(tensors, t, code)
-        check_tensors(tensors, "all_reduce")
-        fn = reducer(code, t.dtype)
-        if not self.nat.reduces(summed(code), t.dtype):
-            return self._all_reduce_python(tensors, t, code, fn)
-        size, nhier = self.size, self.nhier
+        elsewhere = self._all_reduce_elsewhere(tensors, code, lambda c, d: self.nat.reduces(summed(c), d))
+        if elsewhere is not None:
+            return elsewhere
+        t, size, nhier = tensors[0], self.size, self.nhier
 
         def native(call: Any) -> None:
             with staged(t, out=True) as flat:

@@ -29,15 +29,11 @@ class NativeRoute(NodeRoute):
         self.nat = nat
 
     def all_reduce(self, tensors: List[Any], code: Any) -> Any:
-        t = tensors[0]
-        if isinstance(t, torch.Tensor) and t.is_sparse:
-            return self._all_reduce_sparse(tensors, t, code)
-        check_tensors(tensors, "all_reduce")
-        fn = reducer(code, t.dtype)
         nat = self.nat
-        if not nat.reduces(code, t.dtype):
-            return self._all_reduce_python(tensors, t, code, fn)
-        ex, size = self.ex, self.size
+        elsewhere = self._all_reduce_elsewhere(tensors, code, nat.reduces)
+        if elsewhere is not None:
+            return elsewhere
+        t, ex, size = tensors[0], self.ex, self.size
         if code != AVG and ex.queues([t]):
             return ex.submit_native("all_reduce", [t], lambda call: nat.all_reduce(call, t, code), tensors, op=code)
 

@@ -72,6 +72,16 @@ class NodeRoute(Route):
         check_tensors(tensors, "all_reduce")
         return self._all_reduce_python(tensors, t, code, reducer(code, t.dtype))
 
+    def _all_reduce_elsewhere(self, tensors: List[Any], code: Any, native: Callable[[Any, Any], bool]) -> Any:
+        """all_reduce's checks for a native route: the Work where the Python engine takes the call
+        (a sparse tensor, or a dtype and op ``native(code, dtype)`` declines), else None."""
+        t = tensors[0]
+        if isinstance(t, torch.Tensor) and t.is_sparse:
+            return self._all_reduce_sparse(tensors, t, code)
+        check_tensors(tensors, "all_reduce")
+        fn = reducer(code, t.dtype)
+        return None if native(code, t.dtype) else self._all_reduce_python(tensors, t, code, fn)
+
     def _all_reduce_python(self, tensors: List[Any], t: torch.Tensor, code: Any, fn: Callable[..., Any]) -> Any:
         def body() -> None:
             with staged(t, out=True) as flat:

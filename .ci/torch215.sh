@@ -1,28 +1,34 @@
 #!/usr/bin/env bash
-# The newest torch CI's package index serves, torch 2.14.1, beside the suite's 2.13 (.ci/run
-# phase 2) and 2.8 + IPEX (.ci/ipex.sh): what differs between torch releases, in a venv of its own.
-#   bash .ci/torch214.sh install   # fresh venv "$CI_WORK/torch214": torch==2.14.1, then -e ".[test,bench]"
-#   bash .ci/torch214.sh test      # the version-sensitive tests (below); needs .ci/launchers.sh exports
+# The newest torch, torch 2.15.0, beside the suite's 2.13 (.ci/run phase 2) and 2.8 + IPEX
+# (.ci/ipex.sh): what differs between torch releases, in a venv of its own.
+#   bash .ci/torch215.sh install   # fresh venv "$CI_WORK/torch215": torch==2.15.0, then -e ".[test,bench]"
+#   bash .ci/torch215.sh test      # the version-sensitive tests (below); needs .ci/launchers.sh exports
 # What runs: the tests that differ between torch releases, listed once in .ci/version_tests.txt
 # (the engine and its torch hooks, forming the group, sharding, checkpoints, prepare, the torch
 # range), as on torch 2.8 + IPEX.  Not the whole suite: the rest does not touch what changes
 # between torch releases, and runs on 2.13.  The frameworks' adoption stays on 2.13
 # (.ci/frameworks.sh): their pins (transformers, accelerate, lightning) are tested there.
-# PyPI's torch 2.14.1 is the CUDA build (nvidia-* wheels, cuda-toolkit): the venv is 5.6 GB.
-# How long, on a 2-vCPU AMD EPYC (Zen 3, AVX2) with other work beside it: the install about 4
-# minutes (torch from a warm wheel store, then the extras); the test: .ci/run's header.  Each step
-# prints its duration.
+# torch 2.15 needs Python >= 3.11.  A global pip constraints file may cap torch lower (this CI
+# machine's caps it at 2.14.1): the venv's own PIP_CONSTRAINT, which replaces it, pins 2.15.0.
+# PyPI's torch 2.15.0 is the CUDA build (nvidia-* wheels): the venv is about 6 GB.
+# torch 2.14.1 is no longer run: 2.13 (the whole suite) and 2.15 (these tests) stand on either
+# side of it, and a third CUDA venv would take CI past 45 minutes.
+# How long, on a 2-vCPU AMD EPYC (Zen 3, AVX2) with other work beside it: the install about 5
+# minutes from a warm wheel store (torch, then the extras), in phase 1's background; the test:
+# .ci/run's header.  Each step prints its duration.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${CI_WORK:?CI_WORK must be set (by .ci/run)}"
-VENV="$CI_WORK/torch214"
-TORCH=2.14.1
+VENV="$CI_WORK/torch215"
+TORCH=2.15.0
 
 case "${1:-}" in
   install)
     start=$SECONDS
+    python3 -c 'import sys; assert sys.version_info >= (3, 11), f"torch 2.15 needs Python >= 3.11, not {sys.version}"'
     python3 -m venv "$VENV"
-    # The constraint keeps torch at 2.14.1 through the later pip call (the extras, cpuddp itself).
+    # The venv's own constraint keeps torch at 2.15.0 through both pip calls (the extras, cpuddp
+    # itself), and replaces a global one that caps torch lower.
     echo "torch==$TORCH" > "$VENV/torch-constraint.txt"
     export PIP_CONSTRAINT="$VENV/torch-constraint.txt"
     "$VENV/bin/pip" install -q "torch==$TORCH"
@@ -43,5 +49,5 @@ EOF
     CPUDDP_REQUIRE_LAUNCHERS=1 "$VENV/bin/python" -m pytest -q -rs -p no:cacheprovider "${TESTS[@]}"
     echo "torch $TORCH test took $((SECONDS - start)) s"
     ;;
-  *) echo "usage: bash .ci/torch214.sh install | test" >&2; exit 2 ;;
+  *) echo "usage: bash .ci/torch215.sh install | test" >&2; exit 2 ;;
 esac
