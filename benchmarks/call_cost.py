@@ -78,9 +78,7 @@ def _phases(numel: int, calls: int) -> dict:
 
     from cpuddp.backends.shm.group import calls as shm_calls
     from cpuddp.backends.shm.protocol import channel
-    from cpuddp.backends.shm.group import process_group as group
-    from cpuddp.backends.shm.python import local
-    from cpuddp.backends.shm.routes import route_node
+    from cpuddp.backends.shm.routes import executor, route_node
 
     acc: dict = {}
     clock = time.perf_counter
@@ -98,7 +96,7 @@ def _phases(numel: int, calls: int) -> dict:
         setattr(cls, name, wrapper)
 
     timed(shm_calls.Collectives, "allreduce", "cpuddp (all of it)")
-    timed(group.ShmProcessGroup, "_run", "run (agreement, stream, data)")
+    timed(executor.Executor, "run", "run (agreement, stream, data)")
     timed(route_node.NodeRoute, "_all_reduce", "data path")
     timed(channel.Channel, "agree", "post the call")
     timed(channel.Channel, "round", "round (wait for the peers)")

@@ -28,12 +28,10 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence

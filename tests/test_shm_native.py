@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
