@@ -13,10 +13,12 @@ posted nonblocking, waited for with the shm backend's wait policy, each one agre
 * **Waiting.**  MPI moves a large message only inside the calls that look at its request, so
   the leg looks often while a transfer may be under way, and never spins without giving the CPU
   away: where every rank of the node has a CPU of its own, it yields the CPU between looks for
-  the first :data:`LONG_WAIT` seconds of a wait (``sched_yield``: the CPU is the rank's, and any
-  other thread that wants it gets it); where the node's ranks share CPUs, it sleeps :data:`SLEEP`
-  between looks from the start; past :data:`LONG_WAIT` (a peer still computing) it sleeps
-  longer, up to :data:`SLEEP_MAX`.  MPI's own blocking waits spin instead: 4 ranks on 2 CPUs
+  the first part of a wait (``sched_yield``: the CPU is the rank's, and any other thread that
+  wants it gets it); where the node's ranks share CPUs, it sleeps :data:`SLEEP` between looks
+  then.  That part lasts :data:`LONG_WAIT` seconds, or as long as the call's bytes take at
+  :data:`MOVE_RATE` where that is longer (a large message that the leg looked at less often would
+  move slower than gloo's); past it (a peer still computing) the leg sleeps longer between looks,
+  up to :data:`SLEEP_MAX`.  MPI's own blocking waits spin instead: 4 ranks on 2 CPUs
   took 7 s for a 16 MiB all_reduce with Open MPI's, 0.13 s polled.  Every
   :data:`CHECK_EVERY` seconds of a wait: has a rank of this process given up (:meth:`abort`), is
   a rank known lost (:func:`cpuddp.backends.shm.api.lost`: the watchdog's check), and the group
@@ -36,7 +38,7 @@ import os
 import struct
 import threading
 import time
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -54,6 +56,9 @@ CHECK_EVERY = 1.0
 #: node's ranks share CPUs (else the CPU is yielded between looks), then growing with the wait up
 #: to SLEEP_MAX.
 SLEEP, LONG_WAIT, SLEEP_MAX = 50e-6, 0.05, 1e-3
+#: Bytes per second a wait allows a call's data before it counts as a long wait: a slow link's
+#: (1 Gb/s Ethernet moves about 117 MB/s), so a transfer under way is looked at often throughout.
+MOVE_RATE = 100e6
 #: Bytes of a row's head in :meth:`MpiComm.gather_rows`: the call's descriptor and the row's length.
 HEAD = 64
 _HEAD = struct.Struct(f"<{HEAD // 8}q")
@@ -130,12 +135,13 @@ class MpiComm:
 
     # ------------------------------------------------------------------ waiting
 
-    def wait(self, reqs: Sequence[Any], call: str, statuses: Optional[List[Any]] = None) -> None:
+    def wait(self, reqs: Sequence[Any], call: str, statuses: Optional[List[Any]] = None, *, nbytes: int = 0) -> None:
         """Until every request of ``reqs`` completed (see the module docstring); ``statuses``
-        get theirs (a receive's source)."""
+        get theirs (a receive's source); ``nbytes``: the bytes the requests move on this rank."""
         test = self.MPI.Request.Testall
         start = time.monotonic()
-        yield_until = start + (LONG_WAIT if self.spin else 0.0)
+        moving = max(LONG_WAIT, nbytes / MOVE_RATE)
+        yield_until = start + (moving if self.spin else 0.0)
         check_at, deadline = start + CHECK_EVERY, start + self.timeout
         while True:
             try:
@@ -150,7 +156,7 @@ class MpiComm:
                 os.sched_yield()
             else:
                 waited = now - start
-                time.sleep(SLEEP if waited < LONG_WAIT else min(SLEEP_MAX, waited / 50))
+                time.sleep(SLEEP if waited < moving else min(SLEEP_MAX, waited / 50))
             if now >= check_at:
                 check_at = now + CHECK_EVERY
                 self._check(call, now > deadline)
@@ -176,12 +182,12 @@ class MpiComm:
                                                      mpi.MIN), "the agreement")
         return req, mine, words
 
-    def agreed(self, posted: tuple, what: str, also: Sequence[Any] = ()) -> None:
+    def agreed(self, posted: tuple, what: str, also: Sequence[Any] = (), nbytes: int = 0) -> None:
         """Wait for the agreement :meth:`agree` posted (and the requests ``also``, polled with
         it); a mismatch is an error on every rank that names each rank's call (every rank sees
         the same minimum and maximum)."""
         req, mine, words = posted
-        self.wait([req, *also], what)
+        self.wait([req, *also], what, nbytes=nbytes)
         n = len(words)
         if mine[:n].tolist() != [-v for v in mine[n:].tolist()]:
             self.mismatch(words)
@@ -210,10 +216,11 @@ class MpiComm:
         rows = every.view(self.size, n).tolist()
         return [tuple(r) for r in rows]
 
-    def run(self, call: Call, what: str, steps: Sequence[Callable[[], Any]]) -> None:
+    def run(self, call: Call, what: str, steps: Sequence[Callable[[], Any]], nbytes: int = 0) -> None:
         """One collective: its agreement posted, then each step run and the requests it returns
         (one, a list, or none: a step that computes) waited for, in turn -- the first step's with
-        the agreement's, so they travel together; the agreement checked before any result counts."""
+        the agreement's, so they travel together; the agreement checked before any result counts.
+        ``nbytes``: the bytes a step moves on this rank (the most of any step)."""
         posted = self.agree(call)
         checked = False
         for step in steps:
@@ -221,36 +228,37 @@ class MpiComm:
             reqs = [r for r in (reqs if isinstance(reqs, (list, tuple)) else [reqs])
                     if isinstance(r, self.MPI.Request)]
             if not checked:
-                self.agreed(posted, what, reqs)
+                self.agreed(posted, what, reqs, nbytes)
                 checked = True
             elif reqs:
-                self.wait(reqs, what)
+                self.wait(reqs, what, nbytes=nbytes)
         if not checked:
             self.agreed(posted, what)
 
-    def gather_rows(self, call: Call, what: str, payload: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``payload`` (contiguous bytes, the same length on every rank), as rows
-        ``[ranks, bytes]``, in one all-gather that carries the call's descriptor in each row's head:
-        the agreement without a round of its own (a difference is a :class:`CallMismatch` on every
-        rank, each having every rank's descriptor; where sizes differ so that MPI fails the call,
-        the ranks name their calls through the twin).  The rows are this communicator's buffer,
-        valid until its next call (the caller reduces or copies them at once)."""
-        n, words = payload.numel(), call.words()
+    def gather_rows(self, call: Call, what: str, addr: int, n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """Every rank's ``n`` bytes at ``addr`` (the same length on every rank), as rows ``[ranks,
+        n / itemsize]`` of ``dtype``, in one all-gather that carries the call's descriptor in each
+        row's head: the agreement without a round of its own (a difference is a
+        :class:`CallMismatch` on every rank, each having every rank's descriptor; where sizes
+        differ so that MPI fails the call, the ranks name their calls through the twin).  The rows
+        are this communicator's buffer, valid until its next call (the caller reduces or copies
+        them at once)."""
+        words = call.words()
         rows = self._rows_for(HEAD + -(-n // 8) * 8)
         head = _HEAD.pack(*words, n)
         ctypes.memmove(rows.send_at, head, HEAD)
         if n:
-            ctypes.memmove(rows.send_at + HEAD, payload.data_ptr(), n)
+            ctypes.memmove(rows.send_at + HEAD, addr, n)
         req = self.post(lambda: self.comm.Iallgather(rows.send, rows.recv), what)
         try:
-            self.wait([req], what)
+            self.wait([req], what, nbytes=rows.size * rows.row)
         except dist.DistBackendError:
             if self.error_class == self.MPI.ERR_TRUNCATE:  # a peer's row was longer: say whose call
                 self.mismatch(words)  # (after any other MPI error, no more MPI calls: a peer may be gone)
             raise
         if not rows.heads_are(head):
             self.mismatch(words)
-        return rows.data[:, HEAD:HEAD + n]
+        return rows.block(n, dtype)
 
     def _rows_for(self, row: int) -> "_Rows":
         """The send and receive buffers of :meth:`gather_rows` for rows of ``row`` bytes, kept for
@@ -283,6 +291,14 @@ class _Rows:
         self.send_at = self.mine.data_ptr()
         self.send, self.recv = comm.buf(self.mine), comm.buf(self.data, row)
         self._heads = memoryview(comm.MPI.buffer.fromaddress(self.data.data_ptr(), row * comm.size))
+        self._blocks: Dict[Tuple[int, torch.dtype], torch.Tensor] = {}
+
+    def block(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """Every rank's ``n`` bytes after its head, as rows of ``dtype`` (views made once)."""
+        got = self._blocks.get((n, dtype))
+        if got is None:
+            got = self._blocks[(n, dtype)] = self.data[:, HEAD:HEAD + n].view(dtype)
+        return got
 
     def heads_are(self, head: bytes) -> bool:
         """Whether every rank's row begins with ``head``."""

@@ -45,6 +45,8 @@ __all__ = ["MpiGroup", "GATHER_ALL", "MpiWork"]
 #: all_reduce gathers every rank's whole tensor (one MPI call) up to this many bytes in all;
 #: above it, an all-to-all and an all-gather move each byte twice, not ``ranks`` times.
 GATHER_ALL = 256 << 10
+#: A barrier's descriptor (the same for every barrier).
+_BARRIER = encode("barrier", [])
 
 
 def _op(opts: Any) -> Any:
@@ -55,6 +57,10 @@ def _op(opts: Any) -> Any:
 def _parts(n: int, size: int) -> List[int]:
     """``n`` elements cut into ``size`` parts, the first ``n % size`` one longer."""
     return [n // size + (i < n % size) for i in range(size)]
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _offsets(counts: Sequence[int]) -> List[int]:
@@ -68,15 +74,17 @@ def _offsets(counts: Sequence[int]) -> List[int]:
 class MpiWork(dist.Work):
     """A send's or recv's Work: ``wait()`` polls its request (the leg's wait policy)."""
 
-    def __init__(self, comm: MpiComm, req: Any, what: str, after: Optional[Callable[[], None]] = None,
+    def __init__(self, comm: MpiComm, req: Any, what: str, nbytes: int, after: Optional[Callable[[], None]] = None,
                  status: Any = None) -> None:
         super().__init__()
         self._comm, self._req, self._what, self._after, self._status = comm, req, what, after, status
+        self._nbytes = nbytes
         self._done = False
 
     def wait(self, timeout: Optional[datetime.timedelta] = None) -> bool:
         if not self._done:
-            self._comm.wait([self._req], self._what, None if self._status is None else [self._status])
+            self._comm.wait([self._req], self._what, None if self._status is None else [self._status],
+                            nbytes=self._nbytes)
             self._done = True
             after, self._after = self._after, None
             if after is not None:
@@ -114,8 +122,7 @@ class MpiGroup:
         if p == 1:
             return c.run(call, "all_reduce", [])
         if n * flat.element_size() * p <= GATHER_ALL or n < p:
-            rows = c.gather_rows(call, "all_reduce", flat_bytes(flat))
-            fn(rows.view(flat.dtype), flat)
+            fn(c.gather_rows(call, "all_reduce", flat.data_ptr(), n * flat.element_size(), flat.dtype), flat)
             return None
         k = n // p
         body, rest = flat[:k * p], flat[k * p:]
@@ -135,7 +142,7 @@ class MpiGroup:
                 fn(extra, rest)
             return c.comm.Iallgather(c.MPI.IN_PLACE, c.buf(body, per))
 
-        c.run(call, "all_reduce", [scatter_parts, gather_back])
+        c.run(call, "all_reduce", [scatter_parts, gather_back], _bytes(flat))
         return None
 
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> ShmWork:
@@ -167,7 +174,7 @@ class MpiGroup:
 
             per = flat.numel() * flat.element_size()
             c.run(call, "reduce", [lambda: c.comm.Igather(c.buf(flat), c.buf(rows, per) if rows is not None else None,
-                                                          root), at_root])
+                                                          root), at_root], per * p)
         return ShmWork.done(list(tensors))
 
     def reduce_scatter(self, outputs: Sequence[torch.Tensor], inputs: Sequence[Sequence[torch.Tensor]],
@@ -193,7 +200,7 @@ class MpiGroup:
 
             per = fout.numel() * fout.element_size()
             c.run(encode(kind, [fout], op=int(code)), kind, [lambda: c.comm.Ialltoall(c.buf(fin, per), c.buf(rows, per)),
-                                                             reduce])
+                                                             reduce], _bytes(fin))
         return ShmWork.done(result if result is not None else output)
 
     # ------------------------------------------------------------------ moving bytes
@@ -203,7 +210,7 @@ class MpiGroup:
         for t in tensors:
             with staged(t, out=self._rank != root) as flat:
                 c.run(encode("broadcast", [flat], root=root), "broadcast",
-                      [lambda: c.comm.Ibcast(c.buf(flat_bytes(flat)), root)])
+                      [lambda: c.comm.Ibcast(c.buf(flat_bytes(flat)), root)], _bytes(flat))
         return ShmWork.done(list(tensors))
 
     def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> ShmWork:
@@ -213,7 +220,8 @@ class MpiGroup:
                 raise BackendError(f"all_gather: rank {self._rank} passed an output of {fout.numel()} elements for "
                                    f"an input of {fin.numel()}", fix=f"pass {self._size} x the input's elements")
             per = fin.numel() * fin.element_size()
-            c.run(encode("all_gather_single", [fin]), "all_gather", [lambda: c.comm.Iallgather(c.buf(fin), c.buf(fout, per))])
+            c.run(encode("all_gather_single", [fin]), "all_gather", [lambda: c.comm.Iallgather(c.buf(fin), c.buf(fout, per))],
+                  _bytes(fout))
         return ShmWork.done(output)
 
     def allgather(self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor],
@@ -236,7 +244,8 @@ class MpiGroup:
             whole = torch.empty((self._size, fin.numel()), dtype=fin.dtype) if mine else None
             per = fin.numel() * fin.element_size()
             c.run(encode("gather", [fin], root=root), "gather",
-                  [lambda: c.comm.Igather(c.buf(fin), c.buf(whole, per) if whole is not None else None, root)])
+                  [lambda: c.comm.Igather(c.buf(fin), c.buf(whole, per) if whole is not None else None, root)],
+                  per * self._size)
         if whole is not None:
             for o, row in zip(outputs[0], whole):
                 o.copy_(row.view(o.shape))
@@ -248,7 +257,8 @@ class MpiGroup:
         with staged(out, out=True) as fout:
             per = fout.numel() * fout.element_size()
             c.run(encode("scatter", [fout], root=root), "scatter",
-                  [lambda: c.comm.Iscatter(c.buf(whole, per) if whole is not None else None, c.buf(fout), root)])
+                  [lambda: c.comm.Iscatter(c.buf(whole, per) if whole is not None else None, c.buf(fout), root)],
+                  per * self._size)
         return ShmWork.done(list(outputs))
 
     def alltoall_base(self, output: torch.Tensor, inp: torch.Tensor, output_split_sizes: Sequence[int],
@@ -258,7 +268,7 @@ class MpiGroup:
             send = self._row_bytes(inp, input_split_sizes)
             recv = self._row_bytes(output, output_split_sizes)
             c.run(encode("all_to_all_single", []), "all_to_all",
-                  [lambda: c.comm.Ialltoallv(c.counts(fin, send), c.counts(fout, recv))])
+                  [lambda: c.comm.Ialltoallv(c.counts(fin, send), c.counts(fout, recv))], max(sum(send), sum(recv)))
         return ShmWork.done(output)
 
     def _row_bytes(self, t: torch.Tensor, splits: Sequence[int]) -> List[int]:
@@ -269,7 +279,7 @@ class MpiGroup:
 
     def barrier(self, opts: Any = None) -> ShmWork:
         """Every rank's descriptor gathered: the barrier and its agreement in one MPI call."""
-        self.c.gather_rows(encode("barrier", []), "barrier", torch.empty(0, dtype=torch.uint8))
+        self.c.gather_rows(_BARRIER, "barrier", 0, 0)
         return ShmWork.done(None)
 
     # ------------------------------------------------------------------ point-to-point
@@ -277,7 +287,7 @@ class MpiGroup:
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int = 0) -> MpiWork:
         c, t = self.c, tensors[0].contiguous()
         req = c.post(lambda: c.comm.Isend(c.buf(t), int(dst), int(tag)), "send")
-        return MpiWork(c, req, f"send to rank {dst}", after=lambda: t)
+        return MpiWork(c, req, f"send to rank {dst}", _bytes(t), after=lambda: t)
 
     def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int = 0) -> MpiWork:
         return self._recv(tensors[0], int(src), int(tag), f"recv from rank {src}")
@@ -291,7 +301,7 @@ class MpiGroup:
         status = c.MPI.Status()
         req = c.post(lambda: c.comm.Irecv(c.buf(flat), src, tag), what)
         back = (lambda: t.copy_(flat)) if flat is not t else None
-        return MpiWork(c, req, what, after=back, status=status)
+        return MpiWork(c, req, what, _bytes(flat), after=back, status=status)
 
     def shutdown(self) -> None:
         self.c.close()
