@@ -12,14 +12,13 @@ posted nonblocking, waited for with the shm backend's wait policy, each one agre
   :class:`~cpuddp.backends.shm.protocol.descriptor.CallMismatch` naming each rank's call.
 * **Waiting.**  MPI moves a large message only inside the calls that look at its request, so
   the leg looks often while a transfer may be under way, and never spins without giving the CPU
-  away.  For the first part of a wait -- :data:`LONG_WAIT` seconds, or as long as the call's
-  bytes take at :data:`MOVE_RATE` where that is longer (a large message looked at less often
-  would move slower than gloo's) -- it yields the CPU between looks where every rank of the node
-  has a CPU of its own (``sched_yield``: the CPU is the rank's, and any other thread that wants
-  it gets it); where the node's ranks share CPUs, it yields for the node's own
-  ``WAIT_YIELD_SHARED_NS`` (0.2 ms: a reply that comes at once is seen at once), then sleeps
-  :data:`SLEEP` between looks.  Past that part (a peer still computing) it sleeps longer between
-  looks, up to :data:`SLEEP_MAX`.  MPI's own blocking waits spin instead: 4 ranks on 2 CPUs
+  away: where every rank of the node has a CPU of its own, it yields the CPU between looks for
+  the first part of a wait (``sched_yield``: the CPU is the rank's, and any other thread that
+  wants it gets it); where the node's ranks share CPUs, it sleeps :data:`SLEEP` between looks
+  then.  That part lasts :data:`LONG_WAIT` seconds, or as long as the call's bytes take at
+  :data:`MOVE_RATE` where that is longer (a large message that the leg looked at less often would
+  move slower than gloo's); past it (a peer still computing) the leg sleeps longer between looks,
+  up to :data:`SLEEP_MAX`.  MPI's own blocking waits spin instead: 4 ranks on 2 CPUs
   took 7 s for a 16 MiB all_reduce with Open MPI's, 0.13 s polled.  Every
   :data:`CHECK_EVERY` seconds of a wait: has a rank of this process given up (:meth:`abort`), is
   a rank known lost (:func:`cpuddp.backends.shm.api.lost`: the watchdog's check), and the group
@@ -47,7 +46,6 @@ import torch.distributed as dist
 from cpuddp.launchers import mpi as mpi_world
 
 from .. import api
-from ..native.layout import WAIT_YIELD_SHARED_NS
 from ..protocol.descriptor import Call, CallMismatch, describe
 
 __all__ = ["MpiComm", "CHECK_EVERY"]
@@ -61,8 +59,6 @@ SLEEP, LONG_WAIT, SLEEP_MAX = 50e-6, 0.05, 1e-3
 #: Bytes per second a wait allows a call's data before it counts as a long wait: a slow link's
 #: (1 Gb/s Ethernet moves about 117 MB/s), so a transfer under way is looked at often throughout.
 MOVE_RATE = 100e6
-#: Seconds of yielding before a wait sleeps where the node's ranks share CPUs (the node's policy).
-_YIELD_SHARED = WAIT_YIELD_SHARED_NS / 1e9
 #: Bytes of a row's head in :meth:`MpiComm.gather_rows`: the call's descriptor and the row's length.
 HEAD = 64
 _HEAD = struct.Struct(f"<{HEAD // 8}q")
@@ -145,7 +141,7 @@ class MpiComm:
         test = self.MPI.Request.Testall
         start = time.monotonic()
         moving = max(LONG_WAIT, nbytes / MOVE_RATE)
-        yield_until = start + (moving if self.spin else _YIELD_SHARED)
+        yield_until = start + (moving if self.spin else 0.0)
         check_at, deadline = start + CHECK_EVERY, start + self.timeout
         while True:
             try:
