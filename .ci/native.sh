@@ -3,11 +3,11 @@
 # (README's editable install, which built cpuddp/backends/shm/native/libcpuddp_shm.so):
 #   bash .ci/native.sh test
 # 1. the engine's tests on the Python path (CPUDDP_SHM_NATIVE=0): README's suite ran them on the
-#    native one;
+#    native one (tests/test_shm_careless.py is not among them: it runs each case on both paths);
 # 2. the native library built with -fsanitize=address,undefined (AddressSanitizer preloaded, with
 #    libstdc++ so torch's C++ exceptions pass its interceptor), the native path required
 #    (CPUDDP_SHM_NATIVE=1), for the native tests, the engine's fault and agreement tests and the
-#    careless calls (tests/test_shm_careless.py: each of its tests also runs its Python-path case);
+#    careless calls (tests/test_shm_careless.py, its native cases: README's suite ran both);
 # 3. tests/native/threads.c -- ranks as threads over one segment, every collective -- under
 #    ThreadSanitizer;
 # 4. engine.c, threads.c and kernels.c built for aarch64 (Debian's cross compiler) and the last
@@ -21,8 +21,8 @@ cd "$(dirname "$0")/.."
 [ "${1:-}" = test ] || { echo "usage: bash .ci/native.sh test" >&2; exit 2; }
 : "${CI_WORK:?CI_WORK must be set (by .ci/run)}"
 ENGINE=(tests/test_shm.py tests/test_shm_agree.py tests/test_shm_collectives.py tests/test_shm_faults.py
-        tests/test_shm_careless.py tests/test_shm_lifecycle.py tests/test_shm_scale.py tests/test_shm_native.py)
-SANITIZED=(tests/test_shm_native.py tests/test_shm_agree.py tests/test_shm_faults.py tests/test_shm_careless.py)
+        tests/test_shm_lifecycle.py tests/test_shm_scale.py tests/test_shm_native.py)
+SANITIZED=(tests/test_shm_native.py tests/test_shm_agree.py tests/test_shm_faults.py)
 step() { echo "== native.sh [$((SECONDS))s] $*"; }
 
 step "the engine's tests on the Python path"
@@ -35,6 +35,9 @@ python -m cpuddp.backends.shm.native.build --sanitize address,undefined
 LD_PRELOAD="$(cc -print-file-name=libasan.so) $(cc -print-file-name=libstdc++.so)" \
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   CPUDDP_SHM_NATIVE=1 python -m pytest -q -p no:cacheprovider "${SANITIZED[@]}"
+LD_PRELOAD="$(cc -print-file-name=libasan.so) $(cc -print-file-name=libstdc++.so)" \
+  ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
+  CPUDDP_SHM_NATIVE=1 python -m pytest -q -p no:cacheprovider tests/test_shm_careless.py -k "not python"
 
 step "ThreadSanitizer: tests/native/threads.c, 4 ranks as threads"
 cc -fsanitize=thread -O1 -g -pthread -std=c11 -ffp-contract=off -I cpuddp/backends/shm/native \

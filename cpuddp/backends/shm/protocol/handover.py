@@ -286,6 +286,10 @@ def _create_and_serve(store: Any, key: str, plan: NodePlan, deadline: float, slo
 # --------------------------------------------------------------------------- the other local ranks
 
 
+#: The likeliest cause of a hand-over with the wrong group, for the errors that may follow from it.
+_OTHER_ORDER = "ranks that create their subgroups in different orders, so that one read another group's offer"
+
+
 def _connect(name: str, deadline: float, busy: Callable[[], str], store: str) -> socket.socket:
     """A connection to local rank 0's hand-over socket.  A full backlog is waited out in the kernel
     (each ``accept`` wakes the waiting connects) until ``deadline``; then the error says the socket
@@ -296,8 +300,7 @@ def _connect(name: str, deadline: float, busy: Callable[[], str], store: str) ->
     except OSError as exc:
         if exc.errno != errno.EAGAIN:
             raise BackendError(f"cannot reach the shared-memory hand-over socket the rendezvous store at {store} "
-                               f"names for local rank 0: {exc.strerror} (ranks that create their subgroups in "
-                               "different orders, so that one read another group's offer; ranks with the same host "
+                               f"names for local rank 0: {exc.strerror} ({_OTHER_ORDER}; ranks with the same host "
                                "identity in different network namespaces; or something other than this job's ranks "
                                "writes to the store: docs/security.md)", fix=FIX) from exc
         counts = busy()
@@ -324,7 +327,8 @@ def _receive(conn: socket.socket, token: int, want: int, identity: JobIdentity, 
         msg, fds, _flags, _addr = socket.recv_fds(conn, MAX_HELLO, want)
     except OSError as exc:
         raise BackendError(f"local rank 0 (pid {leader.pid}) closed the hand-over before it sent the segment "
-                           f"({exc.strerror or exc}): it failed, or refused this rank", fix=FIX) from None
+                           f"({exc.strerror or exc}): it failed, or refused this rank ({_OTHER_ORDER}?)",
+                           fix=FIX) from None
     why: Optional[str] = None
     if len(fds) == want and msg[:8] == struct.pack("q", token):
         why = mismatch(identity, JobIdentity.from_wire(msg[8:]))
@@ -335,9 +339,9 @@ def _receive(conn: socket.socket, token: int, want: int, identity: JobIdentity, 
     for f in fds:
         os.close(f)
     if why:
-        raise another_job(f"the process (pid {leader.pid}) at local rank 0's hand-over socket", why,
-                           identity.store)
-    raise BackendError("local rank 0's socket did not hand over this group's segment", fix=FIX)
+        raise another_job(f"the process (pid {leader.pid}) at local rank 0's hand-over socket",
+                           f"{why}; or {_OTHER_ORDER}", identity.store)
+    raise BackendError(f"local rank 0's socket did not hand over this group's segment ({_OTHER_ORDER}?)", fix=FIX)
 
 
 def _fetch(name: str, token: int, plan: NodePlan, slot: int, deadline: float, identity: JobIdentity, rank: int,
