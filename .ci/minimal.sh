@@ -83,7 +83,7 @@ PY
     run bench cpuddp bench allreduce --nproc 2 -b 1K -e 1M --timeout 120
     run doctor cpuddp doctor
     # `pip install .` built the shm engine's native library (this machine has a C compiler)
-    grep -q "shm data path: native" "$LOGS/doctor.log" || { echo "== minimal: no native shm data path"; exit 1; }
+    grep -q "shm: .*data path native (" "$LOGS/doctor.log" || { echo "== minimal: no native shm data path"; exit 1; }
     run doctor_json sh -c 'cpuddp doctor --json | python -c "import json, sys; json.load(sys.stdin)"'
     run run_distributed python tests/minimal/run_distributed_check.py
     deactivate

@@ -3,7 +3,9 @@
 # (README's editable install, which built cpuddp/backends/shm/native/libcpuddp_shm.so):
 #   bash .ci/native.sh test
 # 1. the engine's tests on the Python path (CPUDDP_SHM_NATIVE=0): README's suite ran them on the
-#    native one (tests/test_shm_careless.py is not among them: it runs each case on both paths);
+#    native one (tests/test_shm_careless.py runs each case on both paths there, and of
+#    tests/test_shm_native.py only the three cases that take whichever path loads run here: its
+#    others name their path or test the library itself);
 # 2. the native library built with -fsanitize=address,undefined (AddressSanitizer preloaded, with
 #    libstdc++ so torch's C++ exceptions pass its interceptor), the native path required
 #    (CPUDDP_SHM_NATIVE=1), for the native tests, the engine's fault and agreement tests and the
@@ -21,7 +23,10 @@ cd "$(dirname "$0")/.."
 [ "${1:-}" = test ] || { echo "usage: bash .ci/native.sh test" >&2; exit 2; }
 : "${CI_WORK:?CI_WORK must be set (by .ci/run)}"
 ENGINE=(tests/test_shm.py tests/test_shm_agree.py tests/test_shm_collectives.py tests/test_shm_faults.py
-        tests/test_shm_lifecycle.py tests/test_shm_scale.py tests/test_shm_native.py)
+        tests/test_shm_lifecycle.py tests/test_shm_scale.py
+        tests/test_shm_native.py::test_dtypes_the_list_lacks_move_their_own_bytes_and_a_disagreement_is_named
+        tests/test_shm_native.py::test_a_group_of_one_rank_gives_its_input_back
+        tests/test_shm_native.py::test_a_work_the_caller_kept_is_never_reused_for_the_next_call)
 SANITIZED=(tests/test_shm_native.py tests/test_shm_agree.py tests/test_shm_faults.py)
 step() { echo "== native.sh [$((SECONDS))s] $*"; }
 

@@ -10,7 +10,7 @@ it orders memory); ctypes releases the GIL for it.  This module:
   from this package's ``layout.h`` (every value, and the sizes of the structs the binding
   shares: :mod:`.layout`), and it passes a self-test at every vector width the CPU has
   (:func:`load`).  Anything else: the Python engine runs, and :func:`status` says why
-  (``cpuddp doctor``'s ``shm data path`` line; the group's reason in the log).
+  (``cpuddp doctor``'s shm line, ``data path python (<why>)``; the group's reason in the log).
 * **settings**: ``CPUDDP_SHM_NATIVE`` -- ``0`` forces the Python engine, ``1`` requires the
   native one (an error where it cannot load), unset or ``auto`` uses it where it loads;
   ``CPUDDP_SHM_ISA`` -- ``scalar``, ``avx2`` or ``avx512`` (a width the CPU has; default the
