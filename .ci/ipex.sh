@@ -28,8 +28,8 @@ case "${1:-}" in
     downloaded=$(du -sh "$wheels" | cut -f1)
     "$VENV/bin/pip" install -q --no-index --find-links "$wheels" "torch==$TORCH" "intel-extension-for-pytorch==$IPEX"
     rm -rf "$wheels"
-    # mpi4py (a binary wheel) with MPICH's libmpi from PyPI: the suite runs with mpi4py present
-    # here and absent in the torch 2.13 venv of .ci/run's phase 2, so both ways are tested.
+    # mpi4py (a binary wheel) with MPICH's libmpi from PyPI in this venv itself; the frameworks and
+    # minimal venvs have no mpi4py, so both ways are tested.
     "$VENV/bin/pip" install -q -e ".[test,bench,mpi]" mpich
     "$VENV/bin/python" - "$TORCH" "$IPEX" <<'EOF'
 import importlib.metadata as md, sys
