@@ -38,7 +38,7 @@ from cpuddp.errors import BackendError
 from ..protocol.descriptor import encode
 from ..python.ops import AVG, flat_bytes, reducer, rows_reducer, staged
 from ..routes.stream import ShmWork
-from .mpi_comm import MpiComm
+from .mpi_comm import MpiComm, _nbytes
 
 __all__ = ["MpiGroup", "GATHER_ALL", "MpiWork"]
 
@@ -57,10 +57,6 @@ def _op(opts: Any) -> Any:
 def _parts(n: int, size: int) -> List[int]:
     """``n`` elements cut into ``size`` parts, the first ``n % size`` one longer."""
     return [n // size + (i < n % size) for i in range(size)]
-
-
-def _bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _offsets(counts: Sequence[int]) -> List[int]:
@@ -142,7 +138,7 @@ class MpiGroup:
                 fn(extra, rest)
             return c.comm.Iallgather(c.MPI.IN_PLACE, c.buf(body, per))
 
-        c.run(call, "all_reduce", [scatter_parts, gather_back], _bytes(flat))
+        c.run(call, "all_reduce", [scatter_parts, gather_back], _nbytes(flat))
         return None
 
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> ShmWork:
@@ -200,7 +196,7 @@ class MpiGroup:
 
             per = fout.numel() * fout.element_size()
             c.run(encode(kind, [fout], op=int(code)), kind, [lambda: c.comm.Ialltoall(c.buf(fin, per), c.buf(rows, per)),
-                                                             reduce], _bytes(fin))
+                                                             reduce], _nbytes(fin))
         return ShmWork.done(result if result is not None else output)
 
     # ------------------------------------------------------------------ moving bytes
@@ -210,7 +206,7 @@ class MpiGroup:
         for t in tensors:
             with staged(t, out=self._rank != root) as flat:
                 c.run(encode("broadcast", [flat], root=root), "broadcast",
-                      [lambda: c.comm.Ibcast(c.buf(flat_bytes(flat)), root)], _bytes(flat))
+                      [lambda: c.comm.Ibcast(c.buf(flat_bytes(flat)), root)], _nbytes(flat))
         return ShmWork.done(list(tensors))
 
     def _allgather_base(self, output: torch.Tensor, inp: torch.Tensor, opts: Any = None) -> ShmWork:
@@ -221,7 +217,7 @@ class MpiGroup:
                                    f"an input of {fin.numel()}", fix=f"pass {self._size} x the input's elements")
             per = fin.numel() * fin.element_size()
             c.run(encode("all_gather_single", [fin]), "all_gather", [lambda: c.comm.Iallgather(c.buf(fin), c.buf(fout, per))],
-                  _bytes(fout))
+                  _nbytes(fout))
         return ShmWork.done(output)
 
     def allgather(self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor],
@@ -287,7 +283,7 @@ class MpiGroup:
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int = 0) -> MpiWork:
         c, t = self.c, tensors[0].contiguous()
         req = c.post(lambda: c.comm.Isend(c.buf(t), int(dst), int(tag)), "send")
-        return MpiWork(c, req, f"send to rank {dst}", _bytes(t), after=lambda: t)
+        return MpiWork(c, req, f"send to rank {dst}", _nbytes(t), after=lambda: t)
 
     def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int = 0) -> MpiWork:
         return self._recv(tensors[0], int(src), int(tag), f"recv from rank {src}")
@@ -301,7 +297,7 @@ class MpiGroup:
         status = c.MPI.Status()
         req = c.post(lambda: c.comm.Irecv(c.buf(flat), src, tag), what)
         back = (lambda: t.copy_(flat)) if flat is not t else None
-        return MpiWork(c, req, what, _bytes(flat), after=back, status=status)
+        return MpiWork(c, req, what, _nbytes(flat), after=back, status=status)
 
     def shutdown(self) -> None:
         self.c.close()
