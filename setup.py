@@ -1,11 +1,13 @@
 """cpuddp's build: pyproject.toml says everything but one step -- the shm engine's native library.
 
-``pip install .`` and ``pip install -e .`` compile ``cpuddp/backends/shm/native/engine.c`` with
-the C compiler (``$CC``, which may hold arguments, else ``cc``) into a plain shared library
-beside it (no Python tag: one build serves every Python and torch), and write its build record
-beside it.  The step is optional: without a compiler, or when the compile fails, the install
-goes on, the Python engine runs and ``cpuddp doctor`` says why (from the record).  An editable
-install whose sources, compiler and flags did not change keeps the library it has.
+``pip install .`` (and ``pip wheel``, ``python -m build``) compile
+``cpuddp/backends/shm/native/engine.c`` with the C compiler (``$CC``, which may hold arguments,
+else ``cc``) into a plain shared library in the wheel (no Python tag: one build serves every
+Python and torch), and write its build record beside it.  The step is optional: without a
+compiler, or when the compile fails, the install goes on, the Python engine runs and ``cpuddp
+doctor`` says why (from the record).  ``pip install -e .`` does not come here: pyproject.toml's
+backend (``tools/cpuddp_build.py``) builds the library beside the sources, and keeps one whose
+sources, compiler and flags did not change.
 
 A wheel is tagged for what it carries: ``py3-none-<platform>``, the platform read from the
 library built (its machine and the newest glibc it needs: ``native/elf.py``), so one wheel per
@@ -38,12 +40,12 @@ def _native(name):
 
 
 class BuildPyWithNative(build_py):
-    """build_py, then the native library: into the build tree, or beside the sources (editable)."""
+    """build_py, then the native library into the build tree (editable installs: tools/cpuddp_build.py)."""
 
     def run(self):
         super().run()
         builder = _native("build")
-        target = os.path.join(HERE if self.editable_mode else self.build_lib, NATIVE)
+        target = os.path.join(self.build_lib, NATIVE)
         self.distribution.cpuddp_native_library = None
         try:
             os.makedirs(target, exist_ok=True)

@@ -2,16 +2,18 @@
 # The shm engine's two data paths and its sanitizer builds, in the venv of phase 2
 # (README's editable install, which built cpuddp/backends/shm/native/libcpuddp_shm.so):
 #   bash .ci/native.sh test
-# 1. the engine's tests on the Python path (CPUDDP_SHM_NATIVE=0): README's suite ran them on the
-#    native one (tests/test_shm_careless.py runs each case on both paths there, and of
-#    tests/test_shm_native.py only the three cases that take whichever path loads run here: its
+# 1. the engine's tests on the Python path (CPUDDP_SHM_NATIVE=0) that no other phase runs there:
+#    README's suite ran them on the native one, and the engine's other tests (tests/test_shm.py,
+#    its agreement, collectives, lifecycle) run on the Python path in phase 4, on torch 2.8
+#    (.ci/ipex.sh); tests/test_shm_careless.py runs each case on both paths in README's suite; of
+#    tests/test_shm_native.py only the three cases that take whichever path loads run here (its
 #    others name their path or test the library itself);
 # 2. the native library built with -fsanitize=address,undefined (AddressSanitizer preloaded, with
 #    libstdc++ so torch's C++ exceptions pass its interceptor), the native path required
 #    (CPUDDP_SHM_NATIVE=1), for the native tests, the engine's fault and agreement tests and the
 #    careless calls (tests/test_shm_careless.py, its native cases: README's suite ran both);
-# 3. tests/native/threads.c -- ranks as threads over one segment, every collective -- under
-#    ThreadSanitizer;
+# 3. (tests/native/threads.c under ThreadSanitizer: README's suite runs it,
+#    tests/test_shm_native.py::test_the_protocol_under_thread_sanitizer)
 # 4. engine.c, threads.c and kernels.c built for aarch64 (Debian's cross compiler) and the last
 #    two run under qemu-aarch64 (Debian's qemu-user): the protocol with ranks as threads, and the
 #    scalar kernels' digests, which must equal x86-64's line for line (those are checked against
@@ -22,8 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${1:-}" = test ] || { echo "usage: bash .ci/native.sh test" >&2; exit 2; }
 : "${CI_WORK:?CI_WORK must be set (by .ci/run)}"
-ENGINE=(tests/test_shm.py tests/test_shm_agree.py tests/test_shm_collectives.py tests/test_shm_faults.py
-        tests/test_shm_lifecycle.py tests/test_shm_scale.py
+ENGINE=(tests/test_shm_faults.py tests/test_shm_scale.py
         tests/test_shm_native.py::test_dtypes_the_list_lacks_move_their_own_bytes_and_a_disagreement_is_named
         tests/test_shm_native.py::test_a_group_of_one_rank_gives_its_input_back
         tests/test_shm_native.py::test_a_work_the_caller_kept_is_never_reused_for_the_next_call)
@@ -39,15 +40,11 @@ step "AddressSanitizer + UndefinedBehaviorSanitizer build, the native path requi
 python -m cpuddp.backends.shm.native.build --sanitize address,undefined
 LD_PRELOAD="$(cc -print-file-name=libasan.so) $(cc -print-file-name=libstdc++.so)" \
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
-  CPUDDP_SHM_NATIVE=1 python -m pytest -q -p no:cacheprovider "${SANITIZED[@]}"
+  CPUDDP_SHM_NATIVE=1 python -m pytest -q -p no:cacheprovider "${SANITIZED[@]}" \
+  --deselect=tests/test_shm_native.py::test_the_protocol_under_thread_sanitizer  # a ThreadSanitizer build
 LD_PRELOAD="$(cc -print-file-name=libasan.so) $(cc -print-file-name=libstdc++.so)" \
   ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 \
   CPUDDP_SHM_NATIVE=1 python -m pytest -q -p no:cacheprovider tests/test_shm_careless.py -k "not python"
-
-step "ThreadSanitizer: tests/native/threads.c, 4 ranks as threads"
-cc -fsanitize=thread -O1 -g -pthread -std=c11 -ffp-contract=off -I cpuddp/backends/shm/native \
-  tests/native/threads.c -o "$CI_WORK/threads-tsan"
-TSAN_OPTIONS="halt_on_error=1 exitcode=66" "$CI_WORK/threads-tsan" 4 300
 
 step "aarch64: the library, the threaded test and the kernels' digests build with the cross compiler"
 if ! command -v aarch64-linux-gnu-gcc > /dev/null || ! command -v qemu-aarch64 > /dev/null; then

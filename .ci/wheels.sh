@@ -72,7 +72,8 @@ for arch in ("x86_64", "aarch64"):
           f"{', '.join(needs.libraries)}")
 (sdist,) = glob.glob(os.path.join(where, "cpuddp-*.tar.gz"))
 names = tarfile.open(sdist).getnames()
-assert any(n.endswith("native/engine.c") for n in names) and any(n.endswith("/setup.py") for n in names), names
+for need in ("native/engine.c", "/setup.py", "/tools/cpuddp_build.py"):  # tools/: pyproject's build backend
+    assert any(n.endswith(need) for n in names), (need, names)
 assert not any(n.endswith(".so") or n.endswith(".build.json") for n in names), "the sdist carries a build"
 print(f"{os.path.basename(sdist)}: the C sources, no library")
 PY

@@ -207,8 +207,8 @@ def _wheel(tmp_path: Path, cc: str) -> Path:
     except ImportError:
         pytest.importorskip("wheel.bdist_wheel", reason="an in-place wheel build needs setuptools>=70.1 or wheel")
     src = tmp_path / "src"  # a copy: in-place builds of two tests at once would share build/
-    src.mkdir()
-    for name in ("setup.py", "pyproject.toml", "README.md"):
+    (src / "tools").mkdir(parents=True)
+    for name in ("setup.py", "pyproject.toml", "README.md", "MANIFEST.in", "tools/cpuddp_build.py"):
         shutil.copy(REPO / name, src / name)
     shutil.copytree(REPO / "cpuddp", src / "cpuddp", ignore=shutil.ignore_patterns(
         "__pycache__", nb.LIB_NAME, os.path.basename(nb.record_path(nb.LIB_NAME)), ".libcpuddp_shm-*"))

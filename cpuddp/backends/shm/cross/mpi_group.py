@@ -45,6 +45,10 @@ __all__ = ["MpiGroup", "GATHER_ALL", "MpiWork"]
 #: all_reduce gathers every rank's whole tensor (one MPI call) up to this many bytes in all;
 #: above it, an all-to-all and an all-gather move each byte twice, not ``ranks`` times.
 GATHER_ALL = 256 << 10
+#: all_reduce's scratch (every rank's part of the tensor, as large as the tensor) is kept for the
+#: next call up to this many bytes: a fresh buffer of tens of MiB is new pages for the kernel to
+#: fault in and zero at every call (glibc maps allocations over 32 MiB afresh each time).
+KEEP_SCRATCH = 256 << 20
 #: A barrier's descriptor (the same for every barrier).
 _BARRIER = encode("barrier", [])
 
@@ -101,6 +105,7 @@ class MpiGroup:
     def __init__(self, comm: MpiComm) -> None:
         self.c = comm
         self._rank, self._size = comm.rank, comm.size
+        self._scratch: Optional[torch.Tensor] = None  # all_reduce's, kept (KEEP_SCRATCH)
 
     def rank(self) -> int:
         return self._rank
@@ -120,11 +125,12 @@ class MpiGroup:
         if n * flat.element_size() * p <= GATHER_ALL or n < p:
             fn(c.gather_rows(call, "all_reduce", flat.data_ptr(), n * flat.element_size(), flat.dtype), flat)
             return None
-        k = n // p
+        k, es = n // p, flat.element_size()
         body, rest = flat[:k * p], flat[k * p:]
-        mine = torch.empty((p, k), dtype=flat.dtype)
-        extra = torch.empty((p, rest.numel()), dtype=flat.dtype)
-        per, me = k * flat.element_size(), self._rank
+        scratch = self._take_scratch(n * es + p * rest.numel() * es)
+        mine = scratch[:p * k * es].view(flat.dtype).view(p, k)
+        extra = scratch[p * k * es:(p * k + p * rest.numel()) * es].view(flat.dtype).view(p, rest.numel())
+        per, me = k * es, self._rank
 
         def scatter_parts() -> list:
             reqs = [c.comm.Ialltoall(c.buf(body, per), c.buf(mine, per))]
@@ -139,7 +145,20 @@ class MpiGroup:
             return c.comm.Iallgather(c.MPI.IN_PLACE, c.buf(body, per))
 
         c.run(call, "all_reduce", [scatter_parts, gather_back], _nbytes(flat))
+        self._keep_scratch(scratch)
         return None
+
+    def _take_scratch(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of scratch: the kept buffer where it is large enough (taken while in use, so
+        a call made meanwhile, from another thread, gets its own), else a new one."""
+        kept, self._scratch = self._scratch, None
+        if kept is not None and kept.numel() >= nbytes:
+            return kept
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def _keep_scratch(self, scratch: torch.Tensor) -> None:
+        if scratch.numel() <= KEEP_SCRATCH and (self._scratch is None or self._scratch.numel() < scratch.numel()):
+            self._scratch = scratch
 
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> ShmWork:
         code = _op(opts)
