@@ -327,6 +327,10 @@ def test_mpi_library_finds_slurm_pmi2(kind: str, nodes: int, request: pytest.Fix
     assert [(r["rank"], r["size"], r["sum"]) for r in rows] == [(0, 2, 3), (1, 2, 3)], res.stdout + res.stderr
 
 
+#: slurmstepd's complaint when its PMI-2 server split a client's request (see the test below)
+PMI2_SHORT_READ = "mpi/pmi2: value not properly terminated in client request"
+
+
 @pytest.mark.parametrize("kind", ["mpich", "impi"])
 def test_srun_pmi2_takes_the_mpi_leg_between_nodes(kind: str, slurm_two_nodes: Cluster) -> None:
     """Two nodes of 2 tasks under ``srun --mpi=pmi2``: auto's shm group takes the MPI leg (mpi4py
@@ -339,10 +343,17 @@ def test_srun_pmi2_takes_the_mpi_leg_between_nodes(kind: str, slurm_two_nodes: C
                               CPUDDP_TIMEOUT=str(INIT_TIMEOUT))
     if kind == "impi":
         env["LD_LIBRARY_PATH"] = str(libdir)  # libfabric.so.1 beside it (what its mpivars does)
-    out = _outdir(slurm_two_nodes, f"mpi-leg-{kind}")
-    res = slurm_two_nodes.command(["srun", "-N", "2", "-n", "4", "--mpi=pmi2", PY,
-                                   str(REPO / "tests/scripts/mpi_leg.py"), "collectives", str(out)],
-                                  timeout=RUN_TIMEOUT, cwd=out, env=env, check=False)
+    for attempt in (1, 2):
+        out = _outdir(slurm_two_nodes, f"mpi-leg-{kind}-{attempt}")
+        # --kill-on-bad-exit: a task that dies (MPI_Init's abort) ends the step, not the timeout
+        res = slurm_two_nodes.command(["srun", "-N", "2", "-n", "4", "--mpi=pmi2", "--kill-on-bad-exit=1", PY,
+                                       str(REPO / "tests/scripts/mpi_leg.py"), "collectives", str(out)],
+                                      timeout=RUN_TIMEOUT, cwd=out, env=env, check=False)
+        if PMI2_SHORT_READ not in res.stderr + res.stdout:
+            break
+        # Slurm 22.05's PMI-2 server (slurmstepd) sometimes reads a long PMI put in two pieces on a
+        # loaded machine and parses the second as a request of its own; MPI_Init then fails on
+        # every rank. Seen once in a full CI run, never alone: one more try, then the test fails.
     reports = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")), key=lambda r: r["rank"])
     assert [r["rank"] for r in reports] == [0, 1, 2, 3], res.stdout[-2000:] + res.stderr[-3000:]
     for r in reports:

@@ -144,8 +144,10 @@ def _dist_info(project):
 
 def _dist_info_files(project):
     """METADATA, WHEEL and entry_points.txt for ``project`` (core metadata 2.1)."""
+    license = project.get("license", {})
     lines = [("Metadata-Version", "2.1"), ("Name", project["name"]), ("Version", project["version"]),
-             ("Summary", project.get("description", "")), ("License", project.get("license", {}).get("text", "")),
+             ("Summary", project.get("description", "")),
+             ("License", license if isinstance(license, str) else license.get("text", "")),
              ("Requires-Python", project.get("requires-python", "")),
              ("Description-Content-Type", "text/markdown")]
     lines += [("Requires-Dist", req) for req in project.get("dependencies", [])]
