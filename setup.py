@@ -15,7 +15,6 @@ platform serves every Python 3 and torch; ``py3-none-any`` when no library was b
 picks the target: docs/install.md builds the manylinux 2.17 wheels with zig's C compiler.
 """
 
-import importlib.util
 import os
 import sys
 
@@ -29,14 +28,8 @@ except ImportError:  # setuptools older than 70.1 (pip install --no-build-isolat
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NATIVE = os.path.join("cpuddp", "backends", "shm", "native")
-
-
-def _native(name):
-    """cpuddp/backends/shm/native/NAME.py, loaded by path (the package is not importable here)."""
-    spec = importlib.util.spec_from_file_location(f"_cpuddp_native_{name}", os.path.join(HERE, NATIVE, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, os.path.join(HERE, "tools"))
+from cpuddp_build import build_native, native_module  # noqa: E402 - pyproject's backend, beside this file
 
 
 class BuildPyWithNative(build_py):
@@ -44,18 +37,7 @@ class BuildPyWithNative(build_py):
 
     def run(self):
         super().run()
-        builder = _native("build")
-        target = os.path.join(self.build_lib, NATIVE)
-        self.distribution.cpuddp_native_library = None
-        try:
-            os.makedirs(target, exist_ok=True)
-            path, reused = builder.build(os.path.join(target, builder.LIB_NAME), where=os.path.join(HERE, NATIVE))
-        except (builder.BuildError, OSError) as exc:
-            print(f"cpuddp: the shm engine's native library was not built ({exc}); the Python engine will run",
-                  file=sys.stderr)
-        else:
-            self.distribution.cpuddp_native_library = path
-            print(f"cpuddp: {'kept the current' if reused else 'built the'} shm engine's native library: {path}")
+        self.distribution.cpuddp_native_library = build_native(os.path.join(self.build_lib, NATIVE))
 
 
 class WheelForItsLibrary(bdist_wheel):
@@ -65,7 +47,7 @@ class WheelForItsLibrary(bdist_wheel):
         if not self.skip_build:
             self.run_command("build")
         elif not hasattr(self.distribution, "cpuddp_native_library"):  # built by an earlier command
-            built = os.path.join(self.get_finalized_command("build_py").build_lib, NATIVE, _native("build").LIB_NAME)
+            built = os.path.join(self.get_finalized_command("build_py").build_lib, NATIVE, native_module("build").LIB_NAME)
             self.distribution.cpuddp_native_library = built if os.path.exists(built) else None
         self.root_is_pure = self._library() is None
         if not self.root_is_pure:  # install's root goes to platlib, the wheel's root (Root-Is-Purelib: false)
@@ -76,7 +58,7 @@ class WheelForItsLibrary(bdist_wheel):
         library = self._library()
         if library is None:
             return "py3", "none", "any"
-        elf = _native("elf")
+        elf = native_module("elf")
         return "py3", "none", elf.platform_tag(elf.read_file(library))
 
     def _library(self):

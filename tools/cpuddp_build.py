@@ -106,19 +106,33 @@ def install():
 '''
 
 
-def _build_native():
-    """The native library beside the sources (kept when current); without it the Python engine runs."""
-    spec = importlib.util.spec_from_file_location("_cpuddp_native_build", os.path.join(HERE, NATIVE, "build.py"))
-    builder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(builder)
+def native_module(name):
+    """cpuddp/backends/shm/native/NAME.py, loaded by path (the package is not importable in a build)."""
+    spec = importlib.util.spec_from_file_location(f"_cpuddp_native_{name}", os.path.join(HERE, NATIVE, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def build_native(target):
+    """The native library in the folder ``target`` (kept when current): its path, or None where it
+    was not built (the Python engine runs; the reason is said here and recorded beside it)."""
+    builder = native_module("build")
     try:
-        path, reused = builder.build(where=os.path.join(HERE, NATIVE))
+        os.makedirs(target, exist_ok=True)
+        path, reused = builder.build(os.path.join(target, builder.LIB_NAME), where=os.path.join(HERE, NATIVE))
     except (builder.BuildError, OSError) as exc:
         print(f"cpuddp: the shm engine's native library was not built ({exc}); the Python engine will run",
               file=sys.stderr)
-    else:
-        print(f"cpuddp: {'kept the current' if reused else 'built the'} shm engine's native library: {path}",
-              file=sys.stderr)
+        return None
+    print(f"cpuddp: {'kept the current' if reused else 'built the'} shm engine's native library: {path}",
+          file=sys.stderr)
+    return path
+
+
+def _build_native():
+    """The native library beside the sources (an editable install's)."""
+    build_native(os.path.join(HERE, NATIVE))
 
 
 def _project():
