@@ -120,7 +120,9 @@ def test_second_job_on_the_same_port_fails_clearly(kind, tmp_path):
     rank 1 reaches A's store and refuses to join.  A never notices (its all-reduce sums stay 2)."""
     port = {} if kind == "mpich" else {"MASTER_PORT": str(free_port())}
     a = _hold(kind, tmp_path, "a", **port)
-    b = _hold(kind, tmp_path, "b", **port)
+    (tmp_path / "b-failed").mkdir()  # B's ranks wait for each other's errors: Open MPI ends the
+    # job when its first rank exits, which could cut rank 1's message short
+    b = _hold(kind, tmp_path, "b", FAIL_DIR=str(tmp_path / "b-failed"), FAIL_PEERS="2", **port)
     with a, b:
         a.start()
         first = [r for r in _joined_wait(a)]

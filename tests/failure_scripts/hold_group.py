@@ -5,13 +5,17 @@ port, GLOO_SOCKET_IFNAME, pid), then all-reduces every 0.1 s -- checking the sum
 size, which a stranger in the group would break -- until the file ``RELEASE_FILE`` exists or
 ``HOLD`` seconds (default 60) pass (decided together, so all ranks stop at the same step), and
 prints ``DONE <rank>``.  ``HOLD_BACKEND`` names the backend (default auto).  With ``LISTEN_DIR`` set, each
-rank writes ``listen<rank>.json``: its listening TCP sockets once the group is up.
+rank writes ``listen<rank>.json``: its listening TCP sockets once the group is up.  With
+``FAIL_DIR`` set, a rank whose ``init_distributed()`` fails prints its error, then waits (up to
+30 s) until ``FAIL_PEERS`` ranks of its job have failed before it exits: a launcher that ends the
+job when its first rank exits (Open MPI) would otherwise cut a slower rank's message short.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import torch
@@ -19,7 +23,28 @@ import torch.distributed as dist
 
 import cpuddp
 
-env = cpuddp.init_distributed(os.environ.get("HOLD_BACKEND", "auto"), pin=False)
+
+def _fail_together() -> None:
+    """Print this rank's error; wait for FAIL_PEERS ranks' failures in FAIL_DIR (30 s at most)."""
+    import traceback
+
+    traceback.print_exc()  # called in the except block
+    sys.stderr.flush()
+    fail_dir = os.environ["FAIL_DIR"]
+    with open(os.path.join(fail_dir, f"failed-{os.getpid()}"), "w"):
+        pass
+    end = time.monotonic() + 30.0
+    while len(os.listdir(fail_dir)) < int(os.environ["FAIL_PEERS"]) and time.monotonic() < end:
+        time.sleep(0.05)
+    sys.exit(1)
+
+
+try:
+    env = cpuddp.init_distributed(os.environ.get("HOLD_BACKEND", "auto"), pin=False)
+except Exception:
+    if not os.environ.get("FAIL_DIR"):
+        raise
+    _fail_together()
 x = torch.ones(1)
 dist.all_reduce(x)  # gloo's connections are all up after the first collective
 listen_dir = os.environ.get("LISTEN_DIR")
