@@ -12,7 +12,7 @@
 # there `cpuddp doctor` says `native (<the widest width this CPU has>)`, and README's main job
 # runs with the native data path in its header.  The x86-64 library's avx2 and avx512 kernels are
 # vector code (objdump); the aarch64 library is loaded and self-tested under qemu-aarch64
-# (tests/native/load.c, built with Debian's cross compiler, which .ci/native.sh installs).
+# (tests/native/load.c, built with Debian's cross compiler, which `.ci/native.sh install` installs).
 # Measured on the project's 2-vCPU machine (AMD EPYC, AVX2), 2026-12-06, with other work loading it
 # (load average 10): install 366 s (the tools 161 s, ziglang's wheel from pip's cache; both
 # wheels 83 s; the venv 122 s), test 115 s (the quickstart's job 112 s of it, about 30 s unloaded).
@@ -88,10 +88,7 @@ PY
     done
     a64="$CI_WORK/unzipped-aarch64"
     unzip -o -q "$WHEELS"/cpuddp-*_aarch64*.whl 'cpuddp/backends/shm/native/libcpuddp_shm.so' -d "$a64"
-    if ! command -v aarch64-linux-gnu-gcc > /dev/null || ! command -v qemu-aarch64 > /dev/null; then
-      DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user > /dev/null 2>&1 \
-        || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-aarch64-linux-gnu qemu-user; }
-    fi
+    bash .ci/native.sh install  # the cross compiler and qemu-user (phase 1 installed them)
     echo "-- the aarch64 wheel's library under qemu-aarch64, loaded and self-tested (tests/native/load.c)"
     aarch64-linux-gnu-gcc -O2 -std=c11 tests/native/load.c -ldl -o "$CI_WORK/load-aarch64"
     qemu-aarch64 -L /usr/aarch64-linux-gnu "$CI_WORK/load-aarch64" "$a64/cpuddp/backends/shm/native/libcpuddp_shm.so"

@@ -65,6 +65,19 @@ def _kill_and_watch(proc: subprocess.Popen, pids: list[int], log: Path) -> None:
             os.kill(p, signal.SIGKILL)
 
 
+@pytest.fixture(autouse=True)
+def _own_tmpdir(monkeypatch):
+    """TMPDIR for what the test starts: a SIGKILLed ``cpuddp run`` cannot remove its report folder
+    (``cpuddp-run-*``), so the test does.  A short path: Open MPI puts its sockets under TMPDIR."""
+    import shutil
+    import tempfile
+
+    short = tempfile.mkdtemp(prefix="cpd-")
+    monkeypatch.setenv("TMPDIR", short)
+    yield
+    shutil.rmtree(short, ignore_errors=True)
+
+
 def _start(argv: list[str], tmp_path: Path, **extra: str) -> tuple[subprocess.Popen, Path, Path]:
     out = tmp_path / "out"
     out.mkdir()
