@@ -69,6 +69,9 @@ def test_every_collective_on_the_mpi_leg(kind, hosts_n, ppn, tmp_path):
         assert r.get("ok"), r.get("traceback") or r
         assert r["bad"] == [], r["bad"][:10]
         assert r["leg"].startswith("MPI ("), r
+        # ranks sharing a node with the native library take a small all_reduce and a barrier straight
+        # to the native calls and the leg (cross/direct.py); one rank per node has no node part
+        assert r["direct"] == ("CrossDirect" if ppn > 1 and "native" in r["data_path"] else "NoneType"), r
     assert len({r["digest"] for r in reports}) == 1, "ranks hold different bits"
     assert run.returncode == 0, run.output[-3000:]
 

@@ -61,6 +61,9 @@ def collectives(r: int, p: int) -> list:
     strided = torch.ones(6, 4)[:, 1]
     dist.all_reduce(strided)
     check("all_reduce strided", strided, torch.full((6,), float(p)))
+    mixed = torch.ones(6, 4)[:, 1] if r % 2 else torch.ones(6)  # the general route on odd ranks, the direct on even
+    dist.all_reduce(mixed)
+    check("all_reduce, strided on odd ranks", mixed, torch.full((6,), float(p)))
     for root in range(p):
         t = torch.full((5000,), float(r))
         dist.broadcast(t, src=root)
@@ -141,7 +144,8 @@ def main() -> None:
         r, p = dist.get_rank(), dist.get_world_size()
         pg = dist.distributed_c10d._get_default_group()
         report.update(rank=r, size=p, backend=cpuddp.get_session().backend, leg=getattr(pg, "leg", ""),
-                      reason=getattr(pg, "reason", ""), data_path=getattr(pg, "data_path", ""))
+                      reason=getattr(pg, "reason", ""), data_path=getattr(pg, "data_path", ""),
+                      direct=type(getattr(pg, "_direct", None)).__name__)
         if MODE == "collectives":
             report["bad"] = collectives(r, p)
             report["digest"] = float_digest(r)

@@ -2,7 +2,8 @@
 them.
 
 Owns: the hierarchy, each collective's node part and leg, on the Python engine
-(:mod:`.hierarchy`) and on the native data path (:mod:`.native_hier`); the legs' groups, formed
+(:mod:`.hierarchy`) and on the native data path (:mod:`.native_hier`), whose small all_reduce and
+barrier also go straight from torch's call (:mod:`.direct`); the legs' groups, formed
 over gloo, oneCCL or MPI (:mod:`.legs`); the MPI leg itself, through mpi4py: a communicator's byte
 collectives, waited for and agreed (:mod:`.mpi_comm`), and the process-group methods over them
 with every reduction ours, in rank order (:mod:`.mpi_group`).

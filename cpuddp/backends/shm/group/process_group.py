@@ -68,6 +68,7 @@ from .calls import Collectives
 from ..protocol.channel import Channel, Lifecycle
 from ..cross.hierarchy import Hierarchy
 from ..cross.legs import Legs, form_legs
+from ..cross.direct import CrossDirect
 from ..cross.native_hier import NativeHierarchy
 from ..routes.direct import Direct
 from ..routes.executor import Executor
@@ -157,10 +158,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
                                   self._pid, self._stream, self._progress,
                                   self._eng.ch if self._eng is not None else None)
         #: the direct route: torch's call to one native call (native groups that queue nothing)
-        self._direct = (Direct(self._native, self._life, self._eng.ch.seg, self._stream.exec_lock,  # type: ignore[union-attr]
-                               self._on_error, self._plan.local, self._stream.crowded)  # type: ignore[union-attr]
-                        if self._native is not None and self._stream.inline and self._progress is None
-                        and self._hier is None else None)
+        self._direct = self._direct_route()
         #: the route every collective takes (cpuddp.backends.shm.routes.route), chosen once: its methods
         #: bound here as ``_<name>``, what torch's methods (cpuddp.backends.shm.group.calls) hand a call to
         self._route = self._route_for()
@@ -224,6 +222,18 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
                          required=self._options.require_leg)
         self.leg, self._leg_name = legs.text, legs.leg
         return legs
+
+    def _direct_route(self) -> Optional[Direct]:
+        """The direct route (torch's call to the native calls, no Python object per call): native
+        groups that queue nothing -- one node's (:class:`Direct`), or several nodes' with the node
+        part native (:class:`CrossDirect`) -- else None."""
+        if self._native is None or not self._stream.inline or self._progress is not None:
+            return None
+        args = (self._native, self._life, self._eng.ch.seg, self._stream.exec_lock, self._on_error,  # type: ignore[union-attr]
+                self._plan.local, self._stream.crowded)  # type: ignore[union-attr]
+        if self._nhier is not None:
+            return CrossDirect(*args, leg=self._nhier.cross if self._nhier.me == 0 else None)
+        return Direct(*args) if self._hier is None else None
 
     def _route_for(self) -> Route:
         """The route of the formed group, from what :meth:`_setup` made: no engine of the node's

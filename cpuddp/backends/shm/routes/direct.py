@@ -75,6 +75,15 @@ class Direct:
         return work
 
     def all_reduce(self, tensors: Any, opts: Any) -> Optional[ShmWork]:
+        entry = self._all_reduce_entry(tensors, opts)
+        if entry is None:
+            return None
+        self._run(entry[0], entry[1], tensors[0].data_ptr(), None)
+        return self._finished(tensors)
+
+    def _all_reduce_entry(self, tensors: Any, opts: Any) -> Optional[Tuple[Any, Any]]:
+        """What an all_reduce of ``tensors`` was agreed as (:meth:`_entry`, remembered per dtype,
+        size and op), or None where this route does not take it."""
         if type(tensors) is not list or len(tensors) != 1 or not self._usable() or not _plain(tensors[0]):
             return None
         t = tensors[0]
@@ -85,20 +94,25 @@ class Direct:
         entry = self._entries.get(key, False)
         if entry is False:
             entry = self._add(key, self._entry(t, code))
-        if entry is None:
-            return None
-        self._run(entry[0], entry[1], t.data_ptr(), None)
-        return self._finished(tensors)
+        return entry
 
     def _run(self, call: Any, prepared: Any, a: Any, b: Any) -> None:
+        self._locked(self._native, call, prepared, a, b)
+
+    def _native(self, call: Any, prepared: Any, a: Any, b: Any) -> None:
+        """One native call (the library's prepared ``call`` on ``a``, ``b``); its error raised."""
+        rc = self._call(self._ctx, prepared, a, b)
+        if rc:
+            self.engine.done(rc, call)
+
+    def _locked(self, fn: Any, *args: Any) -> None:
+        """``fn(*args)`` under the stream's lock, its error the group's (``on_error``)."""
         lock = self.lock
         if not lock.acquire(False):  # another thread's call runs: two threads call at once
             self.crowded()
             lock.acquire()
         try:
-            rc = self._call(self._ctx, prepared, a, b)
-            if rc:
-                self.engine.done(rc, call)
+            fn(*args)
         except BaseException as exc:
             self.on_error(exc)
             raise
