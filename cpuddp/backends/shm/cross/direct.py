@@ -15,7 +15,7 @@ descriptors: a rank on either route meets its peers on the other.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from ..protocol.descriptor import encode
 from ..python.ops import flat_bytes
 from ..routes.direct import _AVG_CODE, Direct
 from ..routes.stream import ShmWork
-from .native_hier import SMALL
+from .native_hier import options, small
 
 __all__ = ["CrossDirect"]
 
@@ -37,21 +37,16 @@ class CrossDirect(Direct):
                  leg: Optional[Any]) -> None:
         super().__init__(engine, life, seg, lock, on_error, local, crowded)
         self._leg = leg
-        self._leg_opts: Dict[int, Any] = {}  # the leg's AllreduceOptions, one per op
 
     def _entry(self, t: torch.Tensor, code: int) -> Optional[Tuple[Any, Any]]:
         """``(call, (reduce's entry, broadcast's entry, the leg's options))`` for an all_reduce of
         ``t``'s dtype and size with op ``code``, or None where this route does not take it."""
         if code == _AVG_CODE or not self.engine.reduces(code, t.dtype):
             return None
-        if t.numel() * t.element_size() > SMALL and t.numel() >= self._n:  # NativeHierarchy's large path
+        if not small(t.numel(), t.numel() * t.element_size(), self._n):  # NativeHierarchy's large path
             return None
-        call = encode("all_reduce", [t], op=code)
-        opts = self._leg_opts.get(code)
-        if opts is None:
-            opts = self._leg_opts[code] = dist.AllreduceOptions()
-            opts.reduceOp = dist.ReduceOp(dist.ReduceOp.RedOpType(code))
-        eng = self.engine
+        call, eng = encode("all_reduce", [t], op=code), self.engine
+        opts = options(dist.AllreduceOptions, reduceOp=dist.ReduceOp.RedOpType(code))
         return call, (eng.reduce(call, t, 0, code)[0], eng.broadcast(call, flat_bytes(t), 0)[0], opts)
 
     def all_reduce(self, tensors: Any, opts: Any) -> Optional[ShmWork]:

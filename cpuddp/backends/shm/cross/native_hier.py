@@ -34,13 +34,21 @@ from cpuddp.errors import BackendError
 from ..protocol.node import NodePlan
 from ..python.ops import flat_bytes
 
-__all__ = ["NativeHierarchy", "SMALL"]
+__all__ = ["NativeHierarchy", "SMALL", "options", "small"]
 
 #: ``all_reduce`` of up to this many bytes: reduce at local rank 0, one leg call per node, broadcast.
 SMALL = 256 << 10
 
 
-def _opts(cls: Any, **values: Any) -> Any:
+def small(numel: int, nbytes: int, local_size: int) -> bool:
+    """Does an all_reduce of ``numel`` elements (``nbytes``) take the small path (reduce at local
+    rank 0, one leg call per node, broadcast)?  Both routes ask it, so a node's ranks make the
+    same native calls whichever route each took."""
+    return nbytes <= SMALL or numel < local_size
+
+
+def options(cls: Any, **values: Any) -> Any:
+    """A torch options object of ``cls`` (``reduceOp``: a ``ReduceOp.RedOpType``) for a leg call."""
     o = cls()
     for k, v in values.items():
         setattr(o, k, dist.ReduceOp(v) if k == "reduceOp" else v)
@@ -61,10 +69,10 @@ class NativeHierarchy:
         """``flat`` (contiguous, 1-D) reduced over every rank with ``code`` (never AVG: the
         route divides)."""
         nat, n = self.nat, self.n
-        if flat.numel() * flat.element_size() <= SMALL or flat.numel() < n:
+        if small(flat.numel(), flat.numel() * flat.element_size(), n):
             nat.run(call, nat.reduce(call, flat, 0, code))
             if self.me == 0:
-                self.cross.allreduce([flat], _opts(dist.AllreduceOptions, reduceOp=code)).wait()
+                self.cross.allreduce([flat], options(dist.AllreduceOptions, reduceOp=code)).wait()
             nat.run(call, nat.broadcast(call, flat_bytes(flat), 0))
             return
         k = flat.numel() // n
@@ -76,7 +84,7 @@ class NativeHierarchy:
             nat.run(call, nat.all_reduce(call, rest, code))
             if extra:
                 part[k:].copy_(rest)
-        self.cross.allreduce([part], _opts(dist.AllreduceOptions, reduceOp=code)).wait()
+        self.cross.allreduce([part], options(dist.AllreduceOptions, reduceOp=code)).wait()
         nat.run(call, nat.all_gather(call, flat_bytes(body), flat_bytes(part[:k])))
         if rest.numel():
             if extra:
@@ -89,7 +97,7 @@ class NativeHierarchy:
         """``flat``: contiguous bytes; ``root``: a group rank."""
         node, lr = self._where(root)
         if self.me == lr:
-            self.cross.broadcast([flat], _opts(dist.BroadcastOptions, rootRank=node)).wait()
+            self.cross.broadcast([flat], options(dist.BroadcastOptions, rootRank=node)).wait()
         self.nat.run(call, self.nat.broadcast(call, flat, lr))
 
     def barrier(self, call: Any) -> None:
@@ -117,7 +125,7 @@ class NativeHierarchy:
         supers = inp.view(-1, k).index_select(0, self._order("gather")).view(-1)
         node_sum = torch.empty(self.nodes * k, dtype=out.dtype)
         self.nat.run(call, self.nat.reduce_scatter(call, node_sum, supers, code))
-        self.cross.allreduce([node_sum], _opts(dist.AllreduceOptions, reduceOp=code)).wait()
+        self.cross.allreduce([node_sum], options(dist.AllreduceOptions, reduceOp=code)).wait()
         out.copy_(node_sum[self.node * k:(self.node + 1) * k])
 
     # ------------------------------------------------------------------ the layout
