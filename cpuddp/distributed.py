@@ -74,13 +74,14 @@ import datetime
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, MutableMapping, Optional
 
 from cpuddp.affinity import pin as affinity
-from cpuddp.backends.registry import accepts
+from cpuddp.backends.registry import accepts, leave_all
 from cpuddp.backends.start import InitJob, start_backend
-from cpuddp.backends.types import BackendChoice, BackendName
+from cpuddp.backends.types import GLOO_SETTLE, BackendChoice, BackendName
 from cpuddp.launchers import hosts, identity, proof, report
 from cpuddp.launchers.env import DistEnv, Provenance
 from cpuddp.launchers.exports import DEFAULT_TIMEOUT, Exports, Timeout
@@ -449,8 +450,6 @@ def _destroy_group(timeout: float) -> None:
         return
     if _state.abandoned is not None:
         return
-    from cpuddp.backends.registry import leave_all
-
     leave_all()  # peers waiting for this rank (shm) learn at once that it left
     done = threading.Event()
 
@@ -466,6 +465,8 @@ def _destroy_group(timeout: float) -> None:
     if not done.wait(timeout):
         _state.abandoned = f"destroy_process_group did not return within {timeout:.0f} s"
         log.warning("cpuddp: %s; abandoning it", _state.abandoned)
+        return
+    time.sleep(GLOO_SETTLE)  # a group DDP still holds keeps gloo's workers: they finish while Python runs
 
 
 def _undo(undo: _Undo) -> None:

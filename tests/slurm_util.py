@@ -139,6 +139,12 @@ class Node:
     netns: Optional[str] = None  # None: the root network namespace
 
 
+def _printed(exc: subprocess.TimeoutExpired) -> str:
+    """What a client printed before its timeout (stdout and stderr; bytes there even in text mode)."""
+    parts = (exc.stdout, exc.stderr)
+    return "".join(p.decode(errors="replace") if isinstance(p, bytes) else (p or "") for p in parts)
+
+
 class Cluster:
     """One Slurm cluster: a slurm.conf, slurmctld, one slurmd per node, all under ``root``.
 
@@ -256,19 +262,31 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return env
 
     def command(self, argv: Sequence[str], *, timeout: float = CMD_TIMEOUT, check: bool = True,
-                cwd: Optional[Path] = None, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+                cwd: Optional[Path] = None, env: Optional[dict[str, str]] = None,
+                stop_on: Optional[str] = None) -> subprocess.CompletedProcess:
         """Run a Slurm client (srun, sbatch, salloc, scontrol, ...); on timeout cancel every
-        job of this cluster, kill the client's process group and fail the test with its output."""
+        job of this cluster, kill the client's process group and fail the test with its output.
+        ``stop_on``: text that, once the client prints it, ends it the same way at once, and the
+        result (``returncode`` None) comes back with what it printed, for the caller to judge."""
         proc = subprocess.Popen(self.in_login(argv), cwd=cwd or self.root, env=env or self.env(), text=True,
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + timeout
+        while True:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                out, err = proc.communicate(timeout=min(left, 2.0) if stop_on else left)
+                break
+            except subprocess.TimeoutExpired as exc:
+                stopped = stop_on is not None and stop_on in _printed(exc)
+                if not stopped and time.monotonic() < deadline:
+                    continue
             self.cancel_all()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
+            if stopped:
+                return subprocess.CompletedProcess(list(argv), None, out, err)
             pytest.fail(f"`{' '.join(argv)}` did not finish in {timeout:.0f} s\n--- stdout\n{out}\n--- stderr\n{err}"
                         f"\n{self.logs()}")
         result = subprocess.CompletedProcess(list(argv), proc.returncode, out, err)

@@ -9,7 +9,8 @@ torch's own ``destroy_process_group()`` (after which plain-torch ZeRO+DDP still 
 runs here).  Every rank must exit 0 with no "terminate called" in its stderr.  Backends
 alternate between gloo and shm, so the 6 runs are each (backend, ending) pair once.  (The test's
 name keeps its old count, 20 runs, so its id stays the one CI has always listed; more runs of the
-same six pairs are a soak, not a test: ``RUNS`` in this file.)
+same six pairs are a soak, not a test: ``RUNS`` in this file.)  And a plain gloo world, each
+rank on one CPU, that ends with an ``all_gather`` and ``cpuddp.shutdown()``: 8 runs, no abort.
 """
 
 from __future__ import annotations
@@ -79,3 +80,39 @@ def test_no_abort_at_exit_over_20_runs(tmp_path, shard):
             if code != 0 or "terminate called" in err:
                 bad.append(f"run {i} ({backend}, {ending}) rank {rank}: exit {code}\n{err[-1500:]}")
     assert not bad, f"{len(bad)} rank exit(s) failed in {RUNS} runs:\n" + "\n".join(bad[:3])
+
+
+GATHER_RUNS = 8
+GATHER_SCRIPT = r'''
+import os
+import sys
+import torch
+import torch.distributed as dist
+import cpuddp
+
+env = cpuddp.init_distributed(backend="gloo", pin=False, timeout=60)
+os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[env.rank % len(os.sched_getaffinity(0))]})
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(16, 4))
+for _ in range(3):
+    model(torch.randn(8, 16)).sum().backward()
+gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(env.world_size)]
+dist.all_gather(gathered, torch.ones(1, dtype=torch.float64))
+sys.setswitchinterval(10.0)  # a gloo worker that wants the GIL gets it only where Python gives it up
+cpuddp.shutdown()
+'''
+
+
+@pytest.mark.timeout(GATHER_RUNS * 60)
+def test_no_abort_at_exit_after_a_gloo_all_gather(tmp_path):
+    """A plain gloo world (each rank on one CPU, as srun binds it) ends with an all_gather and
+    ``cpuddp.shutdown()``: no rank may abort at exit.  Before shutdown let gloo's workers settle,
+    6 of 30 such runs here aborted (the switch interval of 10 s makes the window wide;
+    without it, 3 of 52)."""
+    script = tmp_path / "gather.py"
+    script.write_text(GATHER_SCRIPT)
+    bad = []
+    for i in range(GATHER_RUNS):
+        for rank, (code, err) in enumerate(_run(script, "-", "gloo", "shutdown", tmp_path, i)):
+            if code != 0 or "terminate called" in err:
+                bad.append(f"run {i} rank {rank}: exit {code}\n{err[-1500:]}")
+    assert not bad, f"{len(bad)} rank exit(s) failed in {GATHER_RUNS} runs:\n" + "\n".join(bad[:3])

@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 __all__ = ["BackendName", "BackendStatus", "BackendChoice", "BackendSpec", "BACKENDS", "backend_for", "Lookups",
-           "ProbeResult", "ImportProbe"]
+           "ProbeResult", "ImportProbe", "GLOO_SETTLE"]
 
 log = logging.getLogger("cpuddp.backends")
 
@@ -48,6 +48,15 @@ MetadataLookup = Callable[[str], Optional[str]]
 ModuleFinder = Callable[[str], bool]
 #: (module, torch version) -> a verdict with ``ok``, ``summary()`` (see cpuddp.backends.ccl_probe).
 ImportProbe = Callable[[str, str], Any]
+
+#: Seconds a teardown sleeps (the GIL released) so that gloo's worker threads finish with their
+#: last Works while Python still runs.  A worker drops its reference to a finished Work after the
+#: caller's ``wait()`` returned; releasing a tensor that has a Python object takes the GIL, and a
+#: thread that asks for it while the interpreter exits is ended inside a C++ destructor, which
+#: aborts the rank ("terminate called without an active exception", SIGABRT after the job's work
+#: is done; the stack: ``~AsyncAllgatherWork`` -> ``decref_pyobject`` -> ``take_gil`` ->
+#: ``pthread_exit``).  The cause is in torch's gloo group; this closes the window.
+GLOO_SETTLE = 0.05
 
 
 # --------------------------------------------------------------------------- data

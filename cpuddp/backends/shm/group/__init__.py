@@ -6,5 +6,6 @@ torch (:mod:`.process_group`); the collectives torch calls, each handed to the r
 runs on, on which data path (:mod:`.arch`).
 May import: :mod:`cpuddp.errors`, :mod:`cpuddp.launchers`, :mod:`cpuddp.affinity.pin`,
 :mod:`cpuddp.backends.shm.api`, :mod:`cpuddp.backends.shm.native`, :mod:`cpuddp.backends.shm.protocol`,
-:mod:`cpuddp.backends.shm.python`, :mod:`cpuddp.backends.shm.routes`, :mod:`cpuddp.backends.shm.cross`
+:mod:`cpuddp.backends.shm.python`, :mod:`cpuddp.backends.shm.routes`, :mod:`cpuddp.backends.shm.cross`,
+:mod:`cpuddp.backends.types` (how long a teardown lets gloo's workers finish)
 """

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from cpuddp.affinity.pin import thread_affinity
+from cpuddp.backends.types import GLOO_SETTLE
 from cpuddp.errors import BackendError
 from cpuddp.launchers import identity
 
@@ -94,11 +95,6 @@ log = logging.getLogger("cpuddp.shm")
 
 NAME = shm_check.NAME
 eligibility = shm_check.eligibility
-#: How long shutdown lets gloo's worker threads run on before it returns (multi-node groups).
-#: A worker drops its last reference to a finished Work after the caller's wait() returned; a
-#: Work whose tensors' Python objects it then frees needs the GIL, and at interpreter exit
-#: Python ends such a thread inside a C++ destructor, which aborts the process.
-_SETTLE = 0.05
 
 
 def _name_holder(rank: int, size: int) -> Any:
@@ -336,7 +332,7 @@ class ShmProcessGroup(Collectives, dist.ProcessGroup):
                 with contextlib.suppress(Exception):
                     inner.shutdown()
         if self._world is not None or self._hier is not None:
-            time.sleep(_SETTLE)  # gloo's workers release their last Works while Python still runs
+            time.sleep(GLOO_SETTLE)  # gloo's workers (the leg's) release their last Works while Python still runs
         if self._eng is not None:
             self._eng.ch.close()
         else:
