@@ -436,8 +436,10 @@ def shutdown(timeout: float = SHUTDOWN_TIMEOUT) -> None:
         watchdog.stop()  # first: it says "done" through the store the group is about to drop
         ddp_check.uninstall()
         _destroy_group(timeout)
-        if _state.undo is not None:
+        if _state.undo is not None:  # this process's session, whoever destroyed its group
             _undo(_state.undo)
+            if _state.abandoned is None:  # gloo's workers (a group DDP still holds keeps them) finish
+                time.sleep(GLOO_SETTLE)  # while Python runs
         _state.forget()
 
 
@@ -465,8 +467,6 @@ def _destroy_group(timeout: float) -> None:
     if not done.wait(timeout):
         _state.abandoned = f"destroy_process_group did not return within {timeout:.0f} s"
         log.warning("cpuddp: %s; abandoning it", _state.abandoned)
-        return
-    time.sleep(GLOO_SETTLE)  # a group DDP still holds keeps gloo's workers: they finish while Python runs
 
 
 def _undo(undo: _Undo) -> None:
